@@ -1,0 +1,34 @@
+"""zeroshard: a from-scratch ZeRO-3 sharding engine with torch FSDP1's API.
+
+``import zeroshard as fsdp`` then ``fsdp.FullyShardedDataParallel(model, ...)``.
+The package reads in lifecycle order:
+
+  flat_param  -> a unit's parameters as one padded 1-D buffer (+ layout math)
+  handle      -> shard / unshard (all-gather) / reshard (free) of that buffer
+  reduce      -> reduce-scatter of the flat gradient, torch's divide factors
+  hooks       -> when each step runs in forward / backward, and prefetch
+  wrap        -> which submodules become units (auto-wrap policies)
+  fully_sharded -> the FullyShardedDataParallel module itself
+  grad_norm   -> clip_grad_norm_ over shards
+  comm        -> the collectives, with byte accounting
+  ext         -> optional C++/CUDA flatten/unflatten kernels
+"""
+from . import wrap
+from .comm import comm_stats
+from .ext import ext_backend
+from .fully_sharded import FSDP, FullyShardedDataParallel
+from .handle import unsharded_tracker
+from .options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+
+__all__ = [
+    "FullyShardedDataParallel",
+    "FSDP",
+    "ShardingStrategy",
+    "BackwardPrefetch",
+    "MixedPrecision",
+    "CPUOffload",
+    "wrap",
+    "comm_stats",
+    "ext_backend",
+    "unsharded_tracker",
+]

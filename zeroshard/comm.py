@@ -1,0 +1,79 @@
+"""The three collectives of ZeRO: all-gather (parameters), reduce-scatter
+(gradients) and all-reduce (NO_SHARD gradients, replicas, norms).
+
+Every collective the engine issues goes through here so that one place counts
+the bytes each rank sends (compare with the ZeRO-3 volume 3Ψ(N−1)/N) and can
+name the collective when it fails.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to the
+# *_single names (the old names warn); keep working on torch versions without them.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class CommStats:
+    """Calls and bytes per collective, as seen by this rank.
+
+    ``bytes`` counts the payload a ring algorithm moves per rank: (N−1)/N of
+    the gathered/reduced buffer for all-gather and reduce-scatter, 2(N−1)/N
+    for all-reduce, which is the accounting the ZeRO paper uses.
+    """
+
+    calls: dict = field(default_factory=lambda: defaultdict(int))
+    bytes: dict = field(default_factory=lambda: defaultdict(float))
+
+    def total_bytes(self) -> float:
+        return float(sum(self.bytes.values()))
+
+
+_active: list[CommStats] = []
+
+
+@contextlib.contextmanager
+def comm_stats():
+    """Count the collectives zeroshard issues inside the block."""
+    stats = CommStats()
+    _active.append(stats)
+    try:
+        yield stats
+    finally:
+        _active.remove(stats)
+
+
+def _record(kind: str, full_numel: int, elem_size: int, world: int, factor: float = 1.0):
+    if not _active or world == 1:
+        return
+    moved = factor * full_numel * elem_size * (world - 1) / world
+    for stats in _active:
+        stats.calls[kind] += 1
+        stats.bytes[kind] += moved
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
+    """Gather every rank's ``shard`` into ``output`` (rank r's at r·len(shard))."""
+    world = dist.get_world_size(group)
+    _record("all_gather", output.numel(), output.element_size(), world)
+    return _all_gather(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op: bool = True):
+    """Sum ``full`` over ranks and keep this rank's contiguous chunk."""
+    world = dist.get_world_size(group)
+    _record("reduce_scatter", full.numel(), full.element_size(), world)
+    return _reduce_scatter(shard_out, full, group=group, async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.SUM):
+    world = dist.get_world_size(group)
+    _record("all_reduce", tensor.numel(), tensor.element_size(), world, factor=2.0)
+    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)

@@ -1,0 +1,163 @@
+"""The FlatParameter: one wrapped unit's parameters as a single 1-D buffer.
+
+ZeRO-3 shards each unit's parameters as *one* flat buffer so that a unit costs
+one all-gather and one reduce-scatter, whatever its number of tensors. This
+module computes the layout of that buffer, exactly as torch FSDP1 does so that
+shards, gradients and optimizer states line up element for element:
+
+* Parameters are laid out in ``module.named_modules()`` order; a parameter
+  reached twice (tied weights) is stored once and the second name becomes an
+  alias of the first.
+* With ``use_orig_params=True`` every parameter starts on a 16-byte boundary
+  (zero padding is inserted between parameters) and the total is padded to a
+  multiple of the world size, because the original parameters become views
+  into the buffer and the optimizer must be able to step them in place.
+* With ``use_orig_params=False`` there is no alignment padding; only the last
+  shard is padded (see :meth:`FlatLayout.shard_bounds`).
+
+Rank r keeps the r-th contiguous chunk of ``ceil(numel / N)`` elements.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from . import ext
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """Where one original parameter lives: its module, attribute and flat slice."""
+
+    module: nn.Module
+    name: str
+    fqn: str  # relative to the wrapped module
+    shape: torch.Size
+    offset: int  # first element in the unsharded flat buffer
+    numel: int
+
+
+@dataclass(frozen=True)
+class SharedParamInfo:
+    """A second name for a parameter already stored (tied weights)."""
+
+    module: nn.Module
+    name: str
+    fqn: str
+    prim_index: int  # index into FlatLayout.params
+
+
+@dataclass(frozen=True)
+class ShardSlice:
+    """The part of one parameter that falls inside this rank's shard."""
+
+    offset_in_shard: int
+    numel_in_shard: int
+    offset_in_param: int
+
+
+class FlatLayout:
+    """Layout of one unit's flat buffer and of this rank's shard of it."""
+
+    def __init__(self, params, shared, numel: int, world_size: int, rank: int):
+        self.params: list[ParamInfo] = params
+        self.shared: list[SharedParamInfo] = shared
+        self.numel = numel  # unsharded flat numel, alignment padding included
+        self.world_size = world_size
+        self.rank = rank
+        # torch.chunk semantics: every shard has ceil(numel / N) elements; the
+        # tail is zero-padded so all ranks all-gather equal-sized chunks.
+        self.shard_numel = -(-numel // world_size)
+        self.padded_numel = self.shard_numel * world_size
+        self.shard_start = min(rank * self.shard_numel, numel)
+        self.shard_end = min((rank + 1) * self.shard_numel, numel)
+        self.shard_slices: list[ShardSlice | None] = [self._slice(p) for p in params]
+
+    def _slice(self, p: ParamInfo) -> ShardSlice | None:
+        lo, hi = max(p.offset, self.shard_start), min(p.offset + p.numel, self.shard_end)
+        if lo >= hi:
+            return None
+        return ShardSlice(lo - self.shard_start, hi - lo, lo - p.offset)
+
+    @property
+    def split_sizes(self) -> list[int]:
+        """Sizes that split the flat buffer into [pad, param, pad, param, ..., pad]."""
+        sizes, pos = [], 0
+        for p in self.params:
+            sizes += [p.offset - pos, p.numel]
+            pos = p.offset + p.numel
+        return sizes + [self.numel - pos]
+
+    @property
+    def fqns(self) -> list[str]:
+        return [p.fqn for p in self.params]
+
+
+def collect_params(root: nn.Module, skip: set[nn.Module]):
+    """The (module, name, fqn, param) entries a unit rooted at ``root`` owns.
+
+    Modules in ``skip`` (nested units, ignored modules) are not entered: their
+    parameters belong elsewhere. Order is ``named_modules()`` order, which is
+    the order torch FSDP1 flattens in. Returns (entries, aliases) where an
+    alias is a repeated reference to an entry's parameter.
+    """
+    entries, aliases, seen = [], [], {}
+
+    def visit(module: nn.Module, prefix: str):
+        for name, param in module._parameters.items():
+            if param is None:
+                continue
+            fqn = prefix + name
+            if param in seen:
+                aliases.append((module, name, fqn, seen[param]))
+            else:
+                seen[param] = len(entries)
+                entries.append((module, name, fqn, param))
+        for cname, child in module._modules.items():
+            if child is not None and child not in skip:
+                visit(child, f"{prefix}{cname}.")
+
+    visit(root, "")
+    return entries, aliases
+
+
+def build_layout(entries, aliases, world_size: int, rank: int, align_numel: int) -> FlatLayout:
+    """Place ``entries`` in a flat buffer; ``align_numel`` > 0 aligns each start."""
+    params, pos = [], 0
+    for module, name, fqn, param in entries:
+        if align_numel and pos % align_numel:
+            pos += align_numel - pos % align_numel
+        params.append(ParamInfo(module, name, fqn, param.shape, pos, param.numel()))
+        pos += param.numel()
+    if align_numel and pos % world_size:
+        pos += world_size - pos % world_size
+    shared = [SharedParamInfo(m, n, f, i) for m, n, f, i in aliases]
+    return FlatLayout(params, shared, pos, world_size, rank)
+
+
+def flatten_params(layout: FlatLayout, tensors) -> torch.Tensor:
+    """The unsharded flat buffer holding ``tensors`` at their offsets, zeros between."""
+    return ext.flatten([t.detach() for t in tensors], [p.offset for p in layout.params], layout.numel)
+
+
+def shard_of(flat: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
+    """A fresh copy of this rank's chunk of ``flat``, zero-padded to ``shard_numel``."""
+    shard = flat.new_zeros(layout.shard_numel)
+    n = layout.shard_end - layout.shard_start
+    if n > 0:
+        shard[:n].copy_(flat[layout.shard_start : layout.shard_end])
+    return shard
+
+
+class FlatParameter(nn.Parameter):
+    """The parameter the optimizer sees for a unit when ``use_orig_params=False``.
+
+    Between uses its data is this rank's shard; while the unit runs it is the
+    unsharded buffer (``.data`` is swapped, the Python object stays, so the
+    optimizer and autograd keep one identity).
+    """
+
+    def __new__(cls, data: torch.Tensor, requires_grad: bool = True):
+        return torch.Tensor._make_subclass(cls, data, requires_grad)

@@ -1,0 +1,253 @@
+"""FullyShardedDataParallel: the public wrapper, with torch FSDP1's constructor.
+
+Construction is the *shard* step of ZeRO-3: auto-wrap submodules into units
+(bottom-up), then flatten this unit's remaining parameters into one
+FlatParameter and keep 1/N of it. The first forward makes the outermost
+instance the root, which owns the execution order and the end-of-backward
+callback shared by all units below it (see ``hooks``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import hooks
+from .flat_param import FlatParameter, collect_params
+from .grad_norm import clip_grad_norm_
+from .handle import FlatParamHandle
+from .options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .wrap import auto_wrap
+
+FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
+FLAT_PARAM = "_flat_param"
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module``'s parameters, gradients and optimizer state over ranks (ZeRO-3).
+
+    Keywords are torch FSDP1's. Options whose feature zeroshard does not have
+    yet raise ``ValueError`` rather than being ignored.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group=None,
+        sharding_strategy: ShardingStrategy | None = None,
+        cpu_offload: CPUOffload | None = None,
+        auto_wrap_policy=None,
+        backward_prefetch: BackwardPrefetch | None = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: MixedPrecision | None = None,
+        ignored_modules=None,
+        param_init_fn=None,
+        device_id: int | torch.device | None = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+        ignored_states=None,
+        device_mesh=None,
+    ):
+        super().__init__()
+        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
+        _reject_unsupported(strategy, cpu_offload, mixed_precision, param_init_fn, sync_module_states, ignored_states, device_mesh, module)
+        if isinstance(module, FullyShardedDataParallel):
+            raise ValueError(
+                "zeroshard: the module is already a FullyShardedDataParallel unit; wrapping it again would "
+                "shard its FlatParameter twice. Fix: wrap the inner module once (pass the original module)."
+            )
+        if process_group is None:
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError(
+                    "zeroshard: FullyShardedDataParallel needs a process group, but torch.distributed is not "
+                    "initialized. Fix: call torch.distributed.init_process_group('gloo' or 'nccl', ...) before "
+                    "wrapping, or pass process_group=..."
+                )
+            process_group = dist.group.WORLD
+        self.process_group = process_group
+        self.rank, self.world_size = process_group.rank(), process_group.size()
+        self.sharding_strategy = strategy
+        self.backward_prefetch = backward_prefetch
+        self.forward_prefetch = forward_prefetch
+        self.limit_all_gathers = limit_all_gathers
+        self.use_orig_params = use_orig_params
+        self.compute_device = _compute_device(module, device_id, process_group)
+        ignored = {m for root in (ignored_modules or ()) for m in root.modules()}
+        if auto_wrap_policy is not None:
+            unit_kwargs = dict(
+                process_group=process_group, sharding_strategy=strategy, backward_prefetch=backward_prefetch,
+                forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
+                use_orig_params=use_orig_params, device_id=device_id, ignored_modules=ignored_modules,
+            )
+            auto_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(m, **unit_kwargs), ignored, _is_unit)
+        self._fsdp_wrapped_module = module
+        self._ignored_modules = ignored
+        nested = {m for m in module.modules() if _is_unit(m)}
+        entries, aliases = collect_params(module, skip=nested | ignored)
+        _check_unowned(entries, type(module).__name__)
+        self._handle = None
+        if entries:
+            self._handle = FlatParamHandle(
+                entries, aliases, group=process_group, strategy=strategy,
+                use_orig_params=use_orig_params, unit_name=type(module).__name__,
+            )
+            flat = self._handle.flat_param
+            if not use_orig_params:
+                module._parameters[FLAT_PARAM] = flat
+            flat.register_post_accumulate_grad_hook(lambda p: hooks.post_backward(self, p))
+        self._is_root: bool | None = None
+        self._runtime: hooks.RootRuntime | None = None
+        self._sync_gradients = True
+
+    # ------------------------------------------------------------------ runtime
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def _lazy_init(self):
+        """On the first call, the instance it is called on becomes the root."""
+        if self._is_root is not None:
+            return
+        states = [m for m in self.modules() if _is_unit(m)]
+        for s in states[1:]:
+            if s._is_root:
+                raise RuntimeError(
+                    "zeroshard: an inner FSDP unit already ran forward as a root; run forward through the "
+                    "outermost FullyShardedDataParallel only."
+                )
+            s._is_root = False
+        self._is_root = True
+        runtime = hooks.RootRuntime(states)
+        for s in states:
+            s._runtime = runtime
+            if s._handle is not None:
+                s._handle.is_root = s is self
+
+    def forward(self, *args, **kwargs):
+        self._lazy_init()
+        if self._is_root:
+            hooks.root_pre_forward(self)
+            if self.compute_device.type != "cpu":
+                args, kwargs = _to_device((args, kwargs), self.compute_device)
+        hooks.pre_forward(self)
+        output = self._fsdp_wrapped_module(*args, **kwargs)
+        return hooks.post_forward(self, output)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally (unsharded, no communication) inside the block."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("zeroshard: no_sync() must be called on the root FullyShardedDataParallel instance.")
+        states = [m for m in self.modules() if _is_unit(m)]
+        previous = [s._sync_gradients for s in states]
+        for s in states:
+            s._sync_gradients = False
+        try:
+            yield
+        finally:
+            for s, prev in zip(states, previous):
+                s._sync_gradients = prev
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients of all units by their global norm; returns that norm."""
+        self._lazy_init()
+        if not self._is_root:
+            raise RuntimeError("zeroshard: clip_grad_norm_() must be called on the root FullyShardedDataParallel instance.")
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        units = [m for m in module.modules() if _is_unit(m)]
+        return [u for u in units if u._is_root] if root_only else units
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name == FSDP_WRAPPED_MODULE:
+                raise
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, key):
+        return self._fsdp_wrapped_module.__getitem__(key)
+
+
+def _is_unit(m: nn.Module) -> bool:
+    return isinstance(m, FullyShardedDataParallel)
+
+
+def _check_unowned(entries, unit: str):
+    for _, _, fqn, p in entries:
+        if isinstance(p, FlatParameter) or hasattr(p, "_zeroshard_unit"):
+            owner = getattr(p, "_zeroshard_unit", "another unit")
+            raise ValueError(
+                f"zeroshard: parameter '{fqn}' of unit '{unit}' is already managed by unit '{owner}' "
+                "(a parameter shared across two units, or a module wrapped twice). Fix: put every module that "
+                "uses a shared parameter inside one unit (e.g. wrap their common parent), and wrap each module once."
+            )
+
+
+def _compute_device(module: nn.Module, device_id, group) -> torch.device:
+    devices = {p.device for p in module.parameters()}
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            "zeroshard: the module has parameters on the meta device; meta-device initialization "
+            "(param_init_fn / reset_parameters) is not supported yet. Fix: materialize the module first."
+        )
+    if device_id is not None:
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        for d in devices:
+            if d.type != "cpu" and d != device:
+                raise ValueError(
+                    f"zeroshard: the module has parameters on {d} but device_id={device}. "
+                    "Fix: move the module to device_id (or to CPU) before wrapping."
+                )
+        if device.type != "cpu" and any(d.type == "cpu" for d in devices):
+            module.to(device)
+    elif len(devices) > 1:
+        raise ValueError(f"zeroshard: the module's parameters are on several devices {sorted(map(str, devices))}. Fix: move it to one device.")
+    else:
+        device = next(iter(devices), torch.device("cpu"))
+    backend = dist.get_backend(group)
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"zeroshard: the process group uses NCCL but the module is on {device}. "
+            "Fix: pass device_id=torch.cuda.current_device() or move the module to its GPU."
+        )
+    return device
+
+
+def _to_device(obj, device):
+    if torch.is_tensor(obj):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_device(o, device) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def _reject_unsupported(strategy, cpu_offload, mixed_precision, param_init_fn, sync_module_states, ignored_states, device_mesh, module):
+    unsupported = {
+        "sharding_strategy": strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2),
+        "cpu_offload": cpu_offload is not None and cpu_offload.offload_params,
+        "mixed_precision": mixed_precision is not None,
+        "param_init_fn": param_init_fn is not None,
+        "sync_module_states": bool(sync_module_states),
+        "ignored_states": ignored_states is not None,
+        "device_mesh": device_mesh is not None,
+    }
+    for name, bad in unsupported.items():
+        if bad:
+            raise ValueError(
+                f"zeroshard: FullyShardedDataParallel({type(module).__name__}): {name}= is not supported yet "
+                f"(hybrid sharding, CPU offload, mixed precision and meta-device init are planned). Fix: leave {name} at its default."
+            )
+
+
+FSDP = FullyShardedDataParallel

@@ -1,0 +1,68 @@
+"""Gradient clipping over a sharded model: each rank holds 1/N of every
+gradient, so the global norm is assembled from per-rank partial sums.
+
+Computed as torch FSDP1 does, step for step, so the returned norm and the
+clipped gradients are bit-identical to it: per-tensor fp32 norms, the norm of
+their stack, raised to ``norm_type``, summed over ranks with one all-reduce,
+then the ``1/norm_type`` root; parameters not sharded (NO_SHARD units, ignored
+modules) are identical on all ranks and are added after the all-reduce.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+
+def _local_norm(params, norm_type: float, device) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0, device=device)
+    per_tensor = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads]
+    return torch.linalg.vector_norm(torch.stack(per_tensor), norm_type, dtype=torch.float32).to(device)
+
+
+@torch.no_grad()
+def clip_grad_norm_(root, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    handles = root._runtime.handles
+    if all(not h.sharded for h in handles):
+        return torch.nn.utils.clip_grad_norm_(root.parameters(), max_norm, norm_type)
+    max_norm, norm_type = float(max_norm), float(norm_type)
+    sharded, nonsharded, seen, grads = [], [], set(), []
+
+    def take(p, target):
+        if p not in seen:
+            seen.add(p)
+            target.append(p)
+            if p.grad is not None:
+                grads.append(p.grad)
+
+    for h in handles:
+        target = sharded if h.sharded else nonsharded
+        for p in h.orig_params if h.use_orig_params else [h.flat_param]:
+            take(p, target)
+    for p in root.parameters():  # parameters outside any unit (ignored modules)
+        take(p, nonsharded)
+    device = root.compute_device
+    local = _local_norm(sharded, norm_type, device)
+    extra = _local_norm(nonsharded, norm_type, device) if nonsharded else None
+    group = root.process_group
+    if norm_type == math.inf:
+        total = torch.maximum(local, extra) if extra is not None else local
+        comm.all_reduce(total, group, op=dist.ReduceOp.MAX)
+    else:
+        total = local**norm_type
+        comm.all_reduce(total, group)
+        if extra is not None:
+            total += extra**norm_type
+        total = total ** (1.0 / norm_type)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    if not grads:
+        return total
+    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))

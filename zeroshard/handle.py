@@ -1,0 +1,273 @@
+"""One unit's FlatParameter through the ZeRO-3 lifecycle: shard, unshard, reshard.
+
+* **shard** (construction): the unit's parameters are flattened (see
+  ``flat_param``) and each rank keeps only its chunk; the full buffer is freed.
+* **unshard** (before forward / backward): the chunks are all-gathered into a
+  padded buffer and the original parameters are re-pointed to views of it, so
+  the unchanged module code computes with full tensors and autograd sends their
+  gradients into one flat gradient.
+* **reshard** (after forward / backward): the FlatParameter points back at the
+  shard and the padded buffer's storage is resized to zero, really freeing it.
+  Tensors autograd saved for backward keep pointing into that storage; it is
+  re-filled in place by the next all-gather, which is why the storage object is
+  reused rather than reallocated.
+
+Gradient reduction lives in ``reduce``; when these steps run is ``hooks``'s job.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+import torch.nn as nn
+
+from . import comm
+from .flat_param import FlatLayout, FlatParameter, build_layout, flatten_params, shard_of
+from .options import ShardingStrategy
+
+# Strategies that free parameters after forward (ZeRO-3) rather than keeping
+# them until the end of backward (ZeRO-2).
+RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
+
+
+class HandleState(enum.Enum):
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+
+
+class LiveUnshardedTracker:
+    """Counts units whose unsharded buffer is allocated: the ZeRO-3 working set.
+
+    ``limit_all_gathers`` reads it to refuse prefetches beyond two units, and
+    tests and the demo read the peaks.
+    """
+
+    def __init__(self):
+        self.live: dict[int, int] = {}  # id(handle) -> bytes, root unit included
+        self.live_non_root = 0
+        self.peak_units = self.peak_non_root_units = 0
+        self.peak_bytes = 0
+
+    def add(self, handle: "FlatParamHandle"):
+        self.live[id(handle)] = handle.padded_bytes
+        self.live_non_root += not handle.is_root
+        self.peak_units = max(self.peak_units, len(self.live))
+        self.peak_non_root_units = max(self.peak_non_root_units, self.live_non_root)
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def remove(self, handle: "FlatParamHandle"):
+        if self.live.pop(id(handle), None) is not None:
+            self.live_non_root -= not handle.is_root
+
+    @property
+    def live_bytes(self) -> int:
+        return sum(self.live.values())
+
+    def reset_peaks(self):
+        self.peak_units, self.peak_non_root_units = len(self.live), self.live_non_root
+        self.peak_bytes = self.live_bytes
+
+
+unsharded_tracker = LiveUnshardedTracker()
+
+
+class FlatParamHandle:
+    """Owns one unit's FlatParameter, its shard, and its padded unsharded buffer."""
+
+    def __init__(self, entries, aliases, *, group, strategy: ShardingStrategy, use_orig_params: bool, unit_name: str):
+        self.group = group
+        self.world_size = group.size()
+        self.rank = group.rank()
+        self.strategy = strategy
+        self.sharded = strategy != ShardingStrategy.NO_SHARD
+        self.use_orig_params = use_orig_params
+        self.unit_name = unit_name
+        params = [e[3] for e in entries]
+        _check_uniform(entries, use_orig_params, unit_name)
+        dtype = params[0].dtype
+        # Aligning each parameter to 16 bytes keeps the views handed to the
+        # optimizer (use_orig_params=True) aligned; torch FSDP1 does the same.
+        align = 16 // dtype.itemsize if use_orig_params else 0
+        self.layout: FlatLayout = build_layout(entries, aliases, self.world_size, self.rank, align)
+        flat = flatten_params(self.layout, params)
+        self.local_shard = shard_of(flat, self.layout) if self.sharded else flat
+        del flat
+        requires_grad = any(p.requires_grad for p in params)
+        self.flat_param = FlatParameter(self.local_shard, requires_grad=requires_grad)
+        self.flat_param._fqns = self.layout.fqns  # noqa: SLF001 (for readers/debuggers)
+        self.padded = self.local_shard.new_empty(self.layout.padded_numel if self.sharded else 0)
+        if self.sharded:
+            self.padded.untyped_storage().resize_(0)
+        self.padded_bytes = self.layout.padded_numel * self.local_shard.element_size()
+        self.orig_params: list[nn.Parameter] = params if use_orig_params else []
+        for p in params:
+            p._zeroshard_unit = unit_name  # marks it as owned; see wrap checks
+        self.is_root = False
+        self.state = HandleState.IDLE
+        self._gather_work = None
+        self.unsharded = not self.sharded
+        self.prefetched = False
+        self.needs_pre_forward_unshard = False
+        self.needs_pre_backward_unshard = False
+        self.ran_pre_backward = False
+        self.post_backward_called = False
+        self.pre_forward_index: int | None = None
+        self.post_forward_index: int | None = None
+        self.saved_grad_shard: torch.Tensor | None = None
+        if use_orig_params:
+            self.use_sharded_views()
+        else:
+            for info in (*self.layout.params, *self.layout.shared):
+                del info.module._parameters[info.name]
+            if not self.sharded:
+                self.use_unsharded_views()
+
+    # ------------------------------------------------------------------ unshard
+    def unshard(self):
+        """Issue the all-gather (asynchronously); :meth:`wait_unshard` completes it."""
+        if self.unsharded:
+            return
+        self.padded.untyped_storage().resize_(self.padded_bytes)
+        self._gather_work = comm.all_gather(self.padded, self.local_shard, self.group)
+        self.unsharded = True
+        unsharded_tracker.add(self)
+
+    def wait_unshard(self):
+        """Finish the all-gather and point the parameters at the full tensors."""
+        self.unshard()
+        if self._gather_work is not None:
+            self._gather_work.wait()
+            self._gather_work = None
+        if self.sharded:
+            self.flat_param.data = self.padded[: self.layout.numel]
+        self.use_unsharded_views()
+
+    def use_unsharded_views(self):
+        """Make each module attribute a view of the (unsharded) FlatParameter.
+
+        The views are taken under grad mode from the FlatParameter itself so
+        that autograd routes every parameter's gradient into ``flat_param.grad``.
+        """
+        with torch.enable_grad():
+            chunks = torch.split(self.flat_param, self.layout.split_sizes)
+        views = [chunks[2 * i + 1].view(p.shape) for i, p in enumerate(self.layout.params)]
+        for view, info in zip(views, self.layout.params):
+            _set_tensor(info.module, info.name, view, self.use_orig_params)
+        for info in self.layout.shared:
+            _set_tensor(info.module, info.name, views[info.prim_index], self.use_orig_params)
+
+    # ------------------------------------------------------------------ reshard
+    def reshard(self, free: bool):
+        """Point back at the local shard; with ``free``, release the full buffer."""
+        if self.sharded:
+            self.flat_param.data = self.local_shard
+            if free and self.unsharded:
+                if self._gather_work is not None:  # a prefetch nobody consumed
+                    self._gather_work.wait()
+                    self._gather_work = None
+                self.padded.untyped_storage().resize_(0)
+                self.unsharded = False
+                unsharded_tracker.remove(self)
+        if self.use_orig_params:
+            self.use_sharded_views()
+        self.prefetched = False
+
+    def use_sharded_views(self):
+        """With ``use_orig_params``, re-register the original nn.Parameters as
+        1-D views of this rank's shard (empty where the shard holds none of a
+        parameter), so the optimizer steps the shard in place."""
+        if not self.sharded:
+            flat = self.flat_param.detach()
+            for p, info in zip(self.orig_params, self.layout.params):
+                info.module._parameters[info.name] = p
+                p.data = flat[info.offset : info.offset + info.numel].view(info.shape)
+        else:
+            empty = self.local_shard.new_empty(0)
+            for p, info, sl in zip(self.orig_params, self.layout.params, self.layout.shard_slices):
+                info.module._parameters[info.name] = p
+                p.data = empty if sl is None else self.local_shard[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
+        for info in self.layout.shared:
+            info.module._parameters[info.name] = self.orig_params[info.prim_index]
+
+    # ---------------------------------------------------------------- gradients
+    def prepare_gradient_for_backward(self):
+        """Move a sharded gradient from a previous step aside, so that autograd
+        writes a fresh unsharded gradient; reduce adds the two afterwards.
+        An unsharded gradient (from ``no_sync``) stays and autograd adds to it."""
+        g = self.flat_param.grad
+        if g is not None and g.numel() != self.layout.numel:
+            self.saved_grad_shard = g.data
+            self.flat_param.grad = None
+
+    def prepare_gradient_for_optim(self):
+        """After a synchronized backward, ``.grad`` is the reduced shard."""
+        if self.saved_grad_shard is not None:
+            self.flat_param.grad = self.saved_grad_shard
+            self.saved_grad_shard = None
+        self.post_backward_called = False
+        if self.use_orig_params:
+            self.use_sharded_grad_views()
+
+    def use_sharded_grad_views(self):
+        g = self.flat_param.grad
+        for p, info, sl in zip(self.orig_params, self.layout.params, self.layout.shard_slices):
+            if g is None or not p.requires_grad:
+                p.grad = None
+            elif not self.sharded:
+                p.grad = g[info.offset : info.offset + info.numel].view(info.shape)
+            elif sl is None:
+                p.grad = None
+            else:
+                p.grad = g[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
+
+    def use_unsharded_grad_views(self):
+        """During ``no_sync`` the original parameters' grads view the unsharded
+        accumulated gradient (their data is still the 1-D shard, hence ``.data``)."""
+        g = self.flat_param.grad
+        for p, info in zip(self.orig_params, self.layout.params):
+            if g is None or not p.requires_grad:
+                p.grad = None
+                continue
+            view = g[info.offset : info.offset + info.numel].view(info.shape)
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.data = view
+
+    def reset_grad_if_orig_grads_none(self):
+        """``optimizer.zero_grad(set_to_none=True)`` clears the original
+        parameters' grads; drop the flat gradient they were views of."""
+        if self.use_orig_params and all(p.grad is None for p in self.orig_params):
+            self.flat_param.grad = None
+
+
+def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, in_parameters: bool):
+    if in_parameters:
+        # use_orig_params: the slot stays in _parameters (named_parameters
+        # keeps the name) but holds the plain view while the unit computes.
+        module._parameters[name] = tensor
+    else:
+        module.__dict__[name] = tensor
+
+
+def _check_uniform(entries, use_orig_params: bool, unit_name: str):
+    first_name, first = entries[0][2], entries[0][3]
+    for _, _, fqn, p in entries[1:]:
+        if p.dtype != first.dtype:
+            raise ValueError(
+                f"zeroshard: unit '{unit_name}' mixes parameter dtypes ({first_name}: {first.dtype}, "
+                f"{fqn}: {p.dtype}); one FlatParameter holds one dtype. Fix: cast the module to one dtype, "
+                f"or wrap the {p.dtype} parameters in their own unit (auto_wrap_policy / nested FSDP)."
+            )
+        if p.device != first.device:
+            raise ValueError(
+                f"zeroshard: unit '{unit_name}' has parameters on {first.device} ({first_name}) and "
+                f"{p.device} ({fqn}). Fix: move the module to one device before wrapping."
+            )
+        if not use_orig_params and p.requires_grad != first.requires_grad:
+            raise ValueError(
+                f"zeroshard: unit '{unit_name}' mixes requires_grad ({first_name}={first.requires_grad}, "
+                f"{fqn}={p.requires_grad}) with use_orig_params=False. Fix: pass use_orig_params=True, "
+                f"or wrap frozen and trainable parameters in separate units."
+            )

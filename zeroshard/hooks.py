@@ -1,0 +1,196 @@
+"""When each step of the ZeRO-3 lifecycle runs: the forward/backward hooks.
+
+For one unit (a FullyShardedDataParallel instance with its FlatParamHandle):
+
+  pre-forward    all-gather the unit's parameters (unless prefetched), maybe
+                 prefetch the next unit's (``forward_prefetch``)
+  post-forward   free them again (FULL_SHARD; not the root, which backward
+                 needs first), hook the outputs for the pre-backward
+  pre-backward   (first gradient reaching the unit's outputs) all-gather again,
+                 prefetch the unit that runs backward next (BACKWARD_PRE)
+  post-backward  (flat gradient accumulated) free the parameters, prefetch
+                 (BACKWARD_POST), launch the reduce-scatter
+  end of backward (root only, queued on the autograd engine) wait for every
+                 reduction, put the reduced shards in ``.grad``, reshard stragglers
+
+Prefetch targets come from the order units ran forward in: the unit that ran
+forward just before this one runs backward just after it.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd import Variable
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten
+
+from . import reduce
+from .handle import RESHARD_AFTER_FORWARD, HandleState, unsharded_tracker
+from .options import BackwardPrefetch
+
+MAX_LIVE_PREFETCH_UNITS = 2  # limit_all_gathers: non-root units unsharded at once
+
+
+class RootRuntime:
+    """State shared by all units under one root: execution order and the
+    reductions in flight."""
+
+    def __init__(self, states):
+        self.states = states  # FSDP instances, root first (module DFS order)
+        self.handles = [s._handle for s in states if s._handle is not None]
+        self.pre_forward_order: list = []  # from the first iteration
+        self.post_forward_order: list = []  # this iteration
+        self.first_iter = True
+        self.pending: list[reduce.PendingReduction] = []
+        self.callback_queued = False
+
+
+# ----------------------------------------------------------------- unshard
+def _unshard_for_compute(state, handle):
+    if not handle.prefetched:
+        handle.unshard()
+    handle.wait_unshard()
+
+
+def _prefetch(state, handle, target):
+    if target is None or target.prefetched or target.unsharded:
+        return
+    if state.limit_all_gathers and unsharded_tracker.live_non_root >= MAX_LIVE_PREFETCH_UNITS:
+        return  # rate limit: the unit will unshard on demand instead
+    target.unshard()
+    target.prefetched = True
+
+
+def _reshard(handle, free: bool):
+    handle.reshard(free)
+
+
+# ----------------------------------------------------------------- forward
+def root_pre_forward(state):
+    rt = state._runtime
+    rt.post_forward_order.clear()
+    for h in rt.handles:
+        h.post_forward_index = None
+        h.reset_grad_if_orig_grads_none()
+        if state.forward_prefetch:
+            h.needs_pre_forward_unshard = True
+            h.prefetched = False
+
+
+def pre_forward(state):
+    handle = state._handle
+    if handle is None:
+        return
+    if handle.state == HandleState.BACKWARD_PRE:  # recomputation (checkpointing)
+        return
+    rt = state._runtime
+    handle.state = HandleState.FORWARD
+    if rt.first_iter and handle.pre_forward_index is None:
+        handle.pre_forward_index = len(rt.pre_forward_order)
+        rt.pre_forward_order.append(handle)
+    _unshard_for_compute(state, handle)
+    handle.needs_pre_forward_unshard = False
+    if state.forward_prefetch and not rt.first_iter and handle.pre_forward_index is not None:
+        nxt = handle.pre_forward_index + 1
+        if nxt < len(rt.pre_forward_order) and rt.pre_forward_order[nxt].needs_pre_forward_unshard:
+            _prefetch(state, handle, rt.pre_forward_order[nxt])
+
+
+def post_forward(state, output):
+    handle = state._handle
+    if handle is not None and handle.state == HandleState.BACKWARD_PRE:
+        return output
+    if handle is not None:
+        rt = state._runtime
+        handle.post_forward_index = len(rt.post_forward_order)
+        rt.post_forward_order.append(handle)
+        _reshard(handle, free=not state._is_root and handle.strategy in RESHARD_AFTER_FORWARD)
+        handle.state = HandleState.IDLE
+    _register_pre_backward(state, output)
+    return output
+
+
+def _register_pre_backward(state, output):
+    if not torch.is_grad_enabled():
+        return
+    tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+    handle = state._handle
+    if handle is not None:
+        handle.ran_pre_backward = False
+        handle.needs_pre_backward_unshard = bool(tensors)
+    if tensors:
+        register_multi_grad_hook(tensors, lambda _grad: pre_backward(state), mode="any")
+
+
+# ----------------------------------------------------------------- backward
+def pre_backward(state):
+    handle = state._handle
+    if handle is not None and handle.ran_pre_backward:
+        return
+    rt = state._runtime
+    if state._is_root and not rt.callback_queued:
+        rt.callback_queued = True
+        Variable._execution_engine.queue_callback(lambda: post_backward_final(state))
+        for h in rt.handles:
+            h.reset_grad_if_orig_grads_none()
+    if handle is None:
+        return
+    handle.state = HandleState.BACKWARD_PRE
+    if handle.needs_pre_backward_unshard:
+        _unshard_for_compute(state, handle)
+    handle.needs_pre_backward_unshard = False
+    if state.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
+        _prefetch(state, handle, _backward_target(rt, handle))
+    handle.prepare_gradient_for_backward()
+    handle.ran_pre_backward = True
+
+
+def _backward_target(rt, handle):
+    i = handle.post_forward_index
+    if i is None or i == 0:
+        return None
+    target = rt.post_forward_order[i - 1]
+    return target if target.needs_pre_backward_unshard else None
+
+
+def _free_in_backward(state, handle) -> bool:
+    # Outside no_sync every sharded unit frees after its backward. Inside it,
+    # ZeRO-2 keeps the parameters (memory for speed: the next forward needs them).
+    return handle.sharded and (state._sync_gradients or handle.strategy in RESHARD_AFTER_FORWARD)
+
+
+@torch.no_grad()
+def post_backward(state, flat_param):
+    handle = state._handle
+    handle.post_backward_called = True
+    handle.state = HandleState.BACKWARD_POST
+    if flat_param.grad is None:
+        return
+    if flat_param.grad.requires_grad:
+        raise RuntimeError("zeroshard: gradients of gradients (create_graph=True) are not supported by FSDP units.")
+    _reshard(handle, _free_in_backward(state, handle))
+    if state.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
+        _prefetch(state, handle, _backward_target(state._runtime, handle))
+    if not state._sync_gradients:
+        if handle.use_orig_params:
+            handle.use_unsharded_grad_views()
+        return
+    state._runtime.pending.append(reduce.start_reduction(handle))
+
+
+@torch.no_grad()
+def post_backward_final(root):
+    rt = root._runtime
+    reduce.finish_reductions(rt.pending)
+    for state in rt.states:
+        handle = state._handle
+        if handle is not None:
+            if handle.unsharded and handle.sharded:  # e.g. outputs unused by the loss
+                _reshard(handle, _free_in_backward(state, handle))
+            if handle.flat_param.requires_grad and state._sync_gradients:
+                handle.prepare_gradient_for_optim()
+            handle.state = HandleState.IDLE
+            handle.ran_pre_backward = False
+            handle.needs_pre_backward_unshard = False
+            handle.prefetched = False
+    rt.first_iter = False
+    rt.callback_queued = False

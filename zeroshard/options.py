@@ -1,0 +1,60 @@
+"""The knobs of FSDP: sharding strategies (which ZeRO stage), backward prefetch
+modes, and the configuration records other issues build on.
+
+Names and values follow ``torch.distributed.fsdp`` so that a script written for
+torch FSDP1 reads the same with ``import zeroshard as fsdp``.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ShardingStrategy(enum.Enum):
+    """How parameters, gradients and optimizer states are split over ranks.
+
+    FULL_SHARD is ZeRO-3 (parameters freed after forward and re-gathered for
+    backward), SHARD_GRAD_OP is ZeRO-2 (parameters stay gathered from forward
+    until the end of backward), NO_SHARD is plain data parallelism (one
+    all-reduce per unit). The hybrid strategies shard inside a group and
+    replicate across groups.
+    """
+
+    FULL_SHARD = enum.auto()
+    SHARD_GRAD_OP = enum.auto()
+    NO_SHARD = enum.auto()
+    HYBRID_SHARD = enum.auto()
+    _HYBRID_SHARD_ZERO2 = enum.auto()
+
+
+class BackwardPrefetch(enum.Enum):
+    """When to issue the next unit's all-gather during backward.
+
+    BACKWARD_PRE: as soon as the current unit's backward starts (more overlap,
+    two units' parameters live). BACKWARD_POST: once the current unit's
+    gradient is computed and its parameters are freed (less memory).
+    """
+
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+
+
+@dataclass
+class MixedPrecision:
+    """Dtypes for the all-gathered parameters, the gradient reduction and buffers."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    buffer_dtype: torch.dtype | None = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+
+
+@dataclass
+class CPUOffload:
+    """Keep the sharded parameters (and their gradients) on CPU between uses."""
+
+    offload_params: bool = False

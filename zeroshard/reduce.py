@@ -1,0 +1,79 @@
+"""Gradient reduction: reduce-scatter (ZeRO-2/3) or all-reduce (NO_SHARD).
+
+After a unit's backward its FlatParameter holds the *unsharded* local gradient.
+Sharded strategies reduce-scatter it so each rank receives the sum of its chunk
+over ranks, then add that into the sharded ``.grad`` (gradient accumulation
+across steps); NO_SHARD all-reduces the whole gradient like DDP.
+
+Averaging is split into a division before the sum and one after, with torch
+FSDP1's factors, so that fp32 results match it bit for bit and low-precision
+sums stay in range: pre starts at 1 and doubles while N is divisible by it
+and N / pre > pre (2 for N = 2, 3, 4; 4 for N = 6 to 16), post = N / pre.
+
+The collectives are asynchronous: backward keeps computing the next unit while
+gloo/NCCL reduces this one; the root's end-of-backward callback waits for all
+of them (:func:`finish_reductions`).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from . import comm
+
+
+def divide_factors(world_size: int) -> tuple[float, float]:
+    pre = 1
+    while world_size % pre == 0 and world_size / pre > pre:
+        pre *= 2
+    return float(pre), world_size / pre
+
+
+def _div(t: torch.Tensor, factor: float):
+    if factor > 1:
+        t.div_(factor)
+
+
+class PendingReduction:
+    """A reduction in flight, completed by :meth:`finish`."""
+
+    def __init__(self, handle, work, out: torch.Tensor, inp: torch.Tensor, post: float):
+        self.handle, self.work, self.out, self.inp, self.post = handle, work, out, inp, post
+
+    def finish(self):
+        self.work.wait()
+        self.inp = None  # the send buffer may be freed now
+        _div(self.out, self.post)
+        h = self.handle
+        if h.sharded:
+            if h.saved_grad_shard is None:
+                h.saved_grad_shard = self.out
+            else:
+                h.saved_grad_shard += self.out
+
+
+def start_reduction(handle) -> PendingReduction:
+    """Launch the reduction of ``handle.flat_param.grad`` (the local unsharded gradient)."""
+    flat = handle.flat_param
+    pre, post = divide_factors(handle.world_size)
+    if not handle.sharded:
+        grad = flat.grad  # stays in .grad; all-reduced in place
+        _div(grad, pre)
+        work = comm.all_reduce(grad, handle.group, async_op=True)
+        return PendingReduction(handle, work, grad, grad, post)
+    grad = flat.grad.data
+    # Clear .grad now so a second backward before the reduction completes
+    # writes a new tensor instead of adding into the one being sent.
+    flat.grad = None
+    pad = handle.layout.padded_numel - grad.numel()
+    padded = F.pad(grad, [0, pad]) if pad else grad
+    _div(padded, pre)
+    out = padded.new_empty(handle.layout.shard_numel)
+    work = comm.reduce_scatter(out, padded, handle.group)
+    return PendingReduction(handle, work, out, padded, post)
+
+
+def finish_reductions(pending: list[PendingReduction]):
+    """Wait for every reduction launched this backward, in launch order."""
+    while pending:
+        pending.pop(0).finish()

@@ -1,0 +1,89 @@
+"""Test toolkit: run a function on N gloo ranks of this machine, with a timeout.
+
+Used by zeroshard's own multi-process tests, the demo and benchmarks; public
+so users can property-test their models the same way. Every spawn has a
+deadline: a hung collective fails the call (naming the ranks still running)
+instead of blocking CI.
+"""
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, results, pg_timeout, threads):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+        out = fn(rank, world_size, *args)
+        results.put((rank, "ok", out))
+    except BaseException:  # noqa: BLE001 - reported to the parent verbatim
+        results.put((rank, "error", traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float = 60.0, threads: int = 1):
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
+
+    ``fn`` must be importable (module level). Returns the list of its return
+    values by rank. Raises RuntimeError with each failing rank's traceback, or
+    TimeoutError after ``timeout`` seconds naming the ranks still running.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout, threads), daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs, errors = {}, {}
+    deadline = time.monotonic() + timeout
+    while len(outputs) + len(errors) < world_size:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        try:
+            rank, status, value = results.get(timeout=min(remaining, 1.0))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors and r not in outputs]
+            for r in dead:
+                errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a report"
+            continue
+        (outputs if status == "ok" else errors)[rank] = value
+    for p in procs:
+        p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    if errors:
+        msg = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+        raise RuntimeError(f"spawn({getattr(fn, '__name__', fn)}, world_size={world_size}) failed:\n{msg}")
+    if alive or len(outputs) < world_size:
+        missing = sorted(set(range(world_size)) - set(outputs))
+        raise TimeoutError(
+            f"spawn({getattr(fn, '__name__', fn)}, world_size={world_size}) timed out after {timeout:.0f}s; "
+            f"ranks without a result: {missing} (a hung collective?)"
+        )
+    return [outputs[r] for r in range(world_size)]
