@@ -9,6 +9,7 @@ callback shared by all units below it (see ``hooks``).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,11 @@ class FullyShardedDataParallel(nn.Module):
             process_group = dist.group.WORLD
         self.process_group = process_group
         self.rank, self.world_size = process_group.rank(), process_group.size()
+        if self.world_size == 1 and strategy != ShardingStrategy.NO_SHARD:
+            # One rank has nothing to shard over; torch FSDP1 switches too, and
+            # matching it keeps use_orig_params shapes and grads identical.
+            warnings.warn(f"zeroshard: world size is 1, using NO_SHARD instead of {strategy.name}.", stacklevel=2)
+            strategy = ShardingStrategy.NO_SHARD
         self.sharding_strategy = strategy
         self.backward_prefetch = backward_prefetch
         self.forward_prefetch = forward_prefetch

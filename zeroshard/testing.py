@@ -87,3 +87,95 @@ def spawn(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float 
             f"ranks without a result: {missing} (a hung collective?)"
         )
     return [outputs[r] for r in range(world_size)]
+
+
+def _pool_worker(rank, world_size, port, tasks, results, pg_timeout, threads):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        task_id, fn, args = task
+        try:
+            results.put((task_id, rank, "ok", fn(rank, world_size, *args)))
+        except BaseException:  # noqa: BLE001
+            results.put((task_id, rank, "error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """``world_size`` long-lived gloo ranks that run one function at a time.
+
+    Starting a rank costs seconds (importing torch); a pool pays it once and
+    runs many small tests in it. A task after which some rank does not report
+    (a hang or a crash) leaves collectives unmatched, so the pool is then shut
+    down and ``broken``; the caller makes a new one. A task that raised on
+    every rank that was waited for keeps the pool usable.
+    """
+
+    def __init__(self, world_size: int, pg_timeout: float = 60.0, threads: int = 1):
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self.results = ctx.Queue()
+        self.tasks = [ctx.Queue() for _ in range(world_size)]
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_pool_worker, args=(r, world_size, port, self.tasks[r], self.results, pg_timeout, threads), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self.broken = False
+        self._next_id = 0
+
+    def run(self, fn, *args, timeout: float = 120.0):
+        """Run ``fn(rank, world_size, *args)`` on every rank; results by rank."""
+        if self.broken:
+            raise RuntimeError("RankPool is broken by an earlier failure; create a new one")
+        self._next_id += 1
+        task_id = self._next_id
+        for q in self.tasks:
+            q.put((task_id, fn, args))
+        outputs, errors = {}, {}
+        deadline = time.monotonic() + timeout
+        while len(outputs) + len(errors) < self.world_size:
+            if deadline - time.monotonic() <= 0 or (errors and not any(p.is_alive() for p in self.procs)):
+                break
+            try:
+                tid, rank, status, value = self.results.get(timeout=min(1.0, max(0.01, deadline - time.monotonic())))
+            except queue.Empty:
+                if any(p.exitcode is not None for p in self.procs):
+                    break
+                continue
+            if tid == task_id:
+                (outputs if status == "ok" else errors)[rank] = value
+            if errors and len(outputs) + len(errors) < self.world_size:
+                # The other ranks may be blocked in a collective the failed
+                # rank never joined; give them a moment, then stop waiting.
+                deadline = min(deadline, time.monotonic() + 5.0)
+        name = getattr(fn, "__name__", str(fn))
+        if len(outputs) + len(errors) < self.world_size:
+            self.close(force=True)  # some rank is stuck: its collectives are unmatched
+        if errors:
+            msg = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
+            raise RuntimeError(f"{name} failed on {self.world_size} ranks:\n{msg}")
+        if len(outputs) < self.world_size:
+            missing = sorted(set(range(self.world_size)) - set(outputs))
+            raise TimeoutError(f"{name} on {self.world_size} ranks timed out after {timeout:.0f}s; ranks without a result: {missing}")
+        return [outputs[r] for r in range(self.world_size)]
+
+    def close(self, force: bool = False):
+        self.broken = True
+        if not force:
+            for q in self.tasks:
+                q.put(None)
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()

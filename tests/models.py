@@ -1,0 +1,103 @@
+"""Small models the tests shard: odd sizes so every layout needs padding."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    """Residual MLP block."""
+
+    def __init__(self, d: int, hidden: int):
+        super().__init__()
+        self.l1 = nn.Linear(d, hidden)
+        self.l2 = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return x + self.l2(torch.relu(self.l1(x)))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 5, d: int = 7, hidden: int = 13, n_blocks: int = 3, d_out: int = 3):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(Block(d, hidden) for _ in range(n_blocks))
+        self.out = nn.Linear(d, d_out)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, d))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.ln1, self.attn = nn.LayerNorm(d), Attention(d, heads)
+        self.ln2, self.mlp = nn.LayerNorm(d), nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """Decoder-only transformer; the head is tied to the token embedding."""
+
+    def __init__(self, vocab: int = 37, d: int = 24, heads: int = 4, layers: int = 3, ctx: int = 16):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+        self.pos = nn.Embedding(ctx, d)
+        self.blocks = nn.ModuleList(TransformerBlock(d, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.ln_f(x))
+
+
+def build(name: str, seed: int = 0, **kwargs) -> nn.Module:
+    torch.manual_seed(seed)
+    return {"mlp": MLP, "gpt": TinyGPT}[name](**kwargs)
+
+
+def batch(name: str, rank: int, step: int, d_in: int = 5):
+    """Inputs differ per rank (data parallel) and per step."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    if name == "gpt":
+        return torch.randint(0, 37, (2, 16), generator=g)
+    return torch.randn(4, d_in, generator=g)
+
+
+class ParamBag(nn.Module):
+    """Parameters of arbitrary shapes in a small module tree (for layout tests)."""
+
+    def __init__(self, shapes, seed: int = 0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        half = len(shapes) // 2
+        for i, s in enumerate(shapes[:half]):
+            self.register_parameter(f"p{i}", nn.Parameter(torch.randn(s, generator=g)))
+        self.child = nn.Module()
+        for i, s in enumerate(shapes[half:]):
+            self.child.register_parameter(f"q{i}", nn.Parameter(torch.randn(s, generator=g)))

@@ -1,0 +1,117 @@
+"""Train zeroshard and torch FSDP1 side by side on one rank pool and compare
+with ``torch.equal``: forward outputs, gradients (after accumulation), the
+clip_grad_norm_ result, and parameters after each AdamW step.
+
+A case is a dict (see ``DEFAULTS``); the same dict builds both engines, so a
+difference can only come from the engines.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import functools
+import warnings
+
+import torch
+import torch.distributed.fsdp as tfsdp
+import torch.distributed.fsdp.wrap as twrap
+
+import zeroshard as zs
+from models import Block, TransformerBlock, batch, build
+
+DEFAULTS = dict(
+    model="mlp", strategy="FULL_SHARD", use_orig_params=False, backward_prefetch="BACKWARD_PRE",
+    forward_prefetch=False, limit_all_gathers=True, policy="module", steps=3, accum=2, clip=0.05,
+    no_sync=False, lr=1e-2, min_num_params=100, model_kwargs={},
+)
+
+
+def _lambda_fn(m):
+    # Nested units: blocks and, inside transformer blocks, their MLPs.
+    return isinstance(m, (Block, TransformerBlock, torch.nn.Sequential))
+
+
+def _policy(lib, case):
+    blocks = {Block, TransformerBlock}
+    name = case["policy"]
+    if name == "module":
+        return lib.ModuleWrapPolicy(blocks)
+    if name == "transformer":
+        return functools.partial(lib.transformer_auto_wrap_policy, transformer_layer_cls=blocks)
+    if name == "size":
+        return functools.partial(lib.size_based_auto_wrap_policy, min_num_params=case["min_num_params"])
+    if name == "lambda":
+        return functools.partial(lib.lambda_auto_wrap_policy, lambda_fn=_lambda_fn)
+    return None
+
+
+def _wrap(engine, model, case):
+    if engine == "torch":
+        cls, lib, enums, extra = tfsdp.FullyShardedDataParallel, twrap, tfsdp, {"device_id": torch.device("cpu")}
+    else:
+        cls, lib, enums, extra = zs.FullyShardedDataParallel, zs.wrap, zs, {}
+    kw = dict(
+        sharding_strategy=getattr(enums.ShardingStrategy, case["strategy"]),
+        use_orig_params=case["use_orig_params"],
+        backward_prefetch=getattr(enums.BackwardPrefetch, case["backward_prefetch"]) if case["backward_prefetch"] else None,
+        forward_prefetch=case["forward_prefetch"],
+        limit_all_gathers=case["limit_all_gathers"],
+        **extra,
+    )
+    if case["policy"] == "manual":
+        for i, blk in enumerate(model.blocks):
+            model.blocks[i] = cls(blk, **kw)
+        return cls(model, **kw)
+    return cls(model, auto_wrap_policy=_policy(lib, case), **kw)
+
+
+def _grads_equal(where, named_a, named_b):
+    for (na, a), (nb, b) in zip(named_a, named_b):
+        assert na == nb, f"{where}: parameter names differ: {na} vs {nb}"
+        if a.grad is None or b.grad is None:
+            assert a.grad is None and b.grad is None, f"{where}: {na}: grad None on one side only"
+            continue
+        assert torch.equal(a.grad, b.grad), f"{where}: grad of {na} differs, max |diff| {(a.grad - b.grad).abs().max()}"
+
+
+def run_case(rank: int, world_size: int, overrides: dict) -> dict:
+    case = {**DEFAULTS, **overrides}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = build(case["model"], **case["model_kwargs"])
+        ref = _wrap("torch", copy.deepcopy(base), case)
+        ours = _wrap("zeroshard", copy.deepcopy(base), case)
+    names_ref = [n for n, _ in ref.named_parameters()]
+    names_ours = [n for n, _ in ours.named_parameters()]
+    assert names_ref == names_ours, f"named_parameters differ:\n{names_ref}\n{names_ours}"
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=case["lr"])
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=case["lr"])
+    norms = []
+    for step in range(case["steps"]):
+        for micro in range(case["accum"]):
+            x = batch(case["model"], rank, step * case["accum"] + micro, case["model_kwargs"].get("d_in", 5))
+            last = micro == case["accum"] - 1
+            ctx_ref = ref.no_sync() if case["no_sync"] and not last else contextlib.nullcontext()
+            ctx_ours = ours.no_sync() if case["no_sync"] and not last else contextlib.nullcontext()
+            for model, ctx, tag in ((ref, ctx_ref, "ref"), (ours, ctx_ours, "ours")):
+                with ctx:
+                    out = model(x)
+                    out.float().pow(2).mean().backward()
+                    if tag == "ref":
+                        out_ref = out.detach()
+                    else:
+                        assert torch.equal(out_ref, out), f"step {step}.{micro}: forward output differs"
+        where = f"step {step}"
+        _grads_equal(where, ref.named_parameters(), ours.named_parameters())
+        if case["clip"]:
+            n_ref, n_ours = ref.clip_grad_norm_(case["clip"]), ours.clip_grad_norm_(case["clip"])
+            assert torch.equal(n_ref, n_ours), f"{where}: clip_grad_norm_ {n_ref} vs {n_ours}"
+            norms.append(n_ours.item())
+            _grads_equal(where + " after clipping", ref.named_parameters(), ours.named_parameters())
+        opt_ref.step()
+        opt_ours.step()
+        opt_ref.zero_grad()
+        opt_ours.zero_grad()
+        for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
+            assert torch.equal(a, b), f"{where}: parameter {n} differs after AdamW"
+    return {"norms": norms, "params": sum(p.numel() for p in ours.parameters())}

@@ -1,0 +1,119 @@
+"""Misuse gets a clear ValueError/RuntimeError naming the module or parameter
+and the fix, at construction, instead of a hang or a wrong result."""
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zeroshard as zs
+from models import MLP, Block, TinyGPT
+
+
+class TwoDtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3).double()
+
+
+class HalfFrozen(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.b = nn.Linear(3, 3)
+        self.b.weight.requires_grad_(False)
+
+
+def _double_wrap():
+    zs.FSDP(zs.FSDP(MLP()))
+
+
+def _mixed_dtype():
+    zs.FSDP(TwoDtypes())
+
+
+def _mixed_requires_grad():
+    zs.FSDP(HalfFrozen())
+
+
+def _shared_across_units():
+    zs.FSDP(TinyGPT(), auto_wrap_policy=functools.partial(zs.wrap.lambda_auto_wrap_policy, lambda_fn=lambda m: m.__class__ is nn.Linear))
+
+
+def _auto_wrap_over_units():
+    model = MLP()
+    model.blocks[0] = zs.FSDP(model.blocks[0])
+    zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+
+
+def _meta_module():
+    with torch.device("meta"):
+        model = MLP()
+    zs.FSDP(model)
+
+
+def _no_sync_inner():
+    model = MLP()
+    model.blocks[0] = zs.FSDP(model.blocks[0])
+    root = zs.FSDP(model)
+    root(torch.randn(2, 5))
+    with root.blocks[0].no_sync():
+        pass
+
+
+def _unsupported(option):
+    zs.FSDP(MLP(), **option)
+
+
+CASES = {
+    "double_wrap": (_double_wrap, ValueError, ["already a FullyShardedDataParallel", "Fix"]),
+    "mixed_dtype": (_mixed_dtype, ValueError, ["a.weight", "b.weight", "torch.float64", "Fix"]),
+    "mixed_requires_grad": (_mixed_requires_grad, ValueError, ["b.weight", "use_orig_params=True"]),
+    "shared_across_units": (_shared_across_units, ValueError, ["tok.weight", "shared across two units", "Fix"]),
+    "auto_wrap_over_units": (_auto_wrap_over_units, ValueError, ["already an FSDP unit", "Fix"]),
+    "meta": (_meta_module, ValueError, ["meta", "Fix"]),
+    "no_sync_inner": (_no_sync_inner, RuntimeError, ["no_sync()", "root"]),
+}
+UNSUPPORTED = {
+    "mixed_precision": dict(mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16)),
+    "cpu_offload": dict(cpu_offload=zs.CPUOffload(offload_params=True)),
+    "sharding_strategy": dict(sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD),
+    "param_init_fn": dict(param_init_fn=lambda m: None),
+    "sync_module_states": dict(sync_module_states=True),
+}
+
+
+def _raise_case(rank, world_size, name):
+    if name in CASES:
+        fn, exc, _ = CASES[name]
+    else:
+        fn, exc = functools.partial(_unsupported, UNSUPPORTED[name]), ValueError
+    try:
+        fn()
+    except exc as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_misuse_is_named(ranks, name):
+    messages = ranks.run(2, _raise_case, name)
+    for msg in messages:
+        assert msg is not None, f"{name}: no {CASES[name][1].__name__} raised"
+        for fragment in CASES[name][2]:
+            assert fragment in msg, f"{name}: {fragment!r} not in {msg!r}"
+
+
+@pytest.mark.parametrize("option", list(UNSUPPORTED))
+def test_unsupported_options_are_rejected(ranks, option):
+    for msg in ranks.run(2, _raise_case, option):
+        assert msg is not None and f"{option}=" in msg and "not supported" in msg
+
+
+def test_wrapping_before_init_process_group():
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        zs.FSDP(MLP())

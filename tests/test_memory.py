@@ -1,0 +1,74 @@
+"""ZeRO-3 memory: parameters are really freed outside their unit's compute,
+and limit_all_gathers bounds how many units are unsharded at once."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import zeroshard as zs
+from models import MLP, Block
+
+
+def _storage(unit) -> int:
+    return unit._handle.padded.untyped_storage().size()
+
+
+def _freed_outside_compute(rank, world_size, use_orig_params):
+    torch.manual_seed(0)
+    model = zs.FSDP(MLP(n_blocks=4), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    units = [m for m in model.modules() if isinstance(m, zs.FSDP)]
+    inner = units[1:]
+    seen_in_forward = []
+    for u in inner:
+        u.module.register_forward_hook(lambda mod, i, o, u=u: seen_in_forward.append(_storage(u)))
+    assert all(_storage(u) == 0 for u in units), "storage allocated right after construction"
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(2):
+        loss = model(torch.randn(4, 5)).sum()
+        # Between forward and backward only the root stays gathered (it runs backward first).
+        assert [_storage(u) for u in inner] == [0] * len(inner)
+        assert _storage(units[0]) > 0
+        loss.backward()
+        assert [_storage(u) for u in units] == [0] * len(units), "unsharded storage left after backward"
+        opt.step()
+        opt.zero_grad()
+    assert seen_in_forward and all(s == units[1]._handle.padded_bytes for s in seen_in_forward)
+    shard = units[1]._handle.local_shard
+    assert shard.numel() == units[1]._handle.layout.shard_numel
+    assert shard.numel() * world_size == units[1]._handle.layout.padded_numel
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_unsharded_storage_is_freed(ranks, use_orig_params):
+    ranks.run(2, _freed_outside_compute, use_orig_params)
+
+
+def _peak_units(rank, world_size, limit, max_live=2):
+    from zeroshard import hooks
+
+    hooks.MAX_LIVE_PREFETCH_UNITS, saved = max_live, hooks.MAX_LIVE_PREFETCH_UNITS
+    torch.manual_seed(0)
+    model = zs.FSDP(
+        MLP(n_blocks=6), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), limit_all_gathers=limit,
+        backward_prefetch=zs.BackwardPrefetch.BACKWARD_PRE, forward_prefetch=True,
+    )
+    peaks = []
+    for step in range(3):  # forward prefetch starts from the second iteration
+        zs.unsharded_tracker.reset_peaks()
+        model(torch.randn(4, 5)).sum().backward()
+        peaks.append(zs.unsharded_tracker.peak_non_root_units)
+    assert zs.unsharded_tracker.live_non_root == 0
+    hooks.MAX_LIVE_PREFETCH_UNITS = saved
+    return peaks
+
+
+def test_limit_all_gathers_bounds_live_units(ranks):
+    limited = ranks.run(2, _peak_units, True)[0]
+    assert max(limited) <= 2, limited
+    # The bound is reached (prefetch really keeps a second unit in flight) ...
+    assert max(limited) == 2
+    # ... and it is the limiter that holds it: a limit of one unit disables
+    # prefetching and the peak drops to one.
+    assert max(ranks.run(2, _peak_units, True, 1)[0]) == 1
+    assert max(ranks.run(2, _peak_units, False, 1)[0]) == 2
