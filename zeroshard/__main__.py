@@ -1,0 +1,17 @@
+"""``python -m zeroshard <command>``: ``demo`` trains a small GPT on CPU ranks."""
+import sys
+
+COMMANDS = {"demo": "zeroshard.demo"}
+
+
+def main() -> int:
+    if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
+        print(f"usage: python -m zeroshard {{{','.join(COMMANDS)}}} [options]  (add --help after a command)")
+        return 2
+    import importlib
+
+    return importlib.import_module(COMMANDS[sys.argv[1]]).main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
