@@ -1,0 +1,134 @@
+"""Throughput of the flatten/unflatten copies behind ZeRO-3/FSDP's FlatParameter.
+
+flatten builds the FlatParameter / flat gradient buffer from many parameters;
+unflatten materializes per-parameter tensors (state dicts, summon_full_params).
+Compares, in GB/s (payload bytes counted once / median time):
+
+  copy          one flat.copy_(src) of the same bytes: the practical memory-bandwidth limit
+  py flatten    torch.cat(tensors, out=flat)
+  py unflatten  torch.split_with_sizes_copy(flat, sizes, out=outs)
+  ext flatten   zeroshard.ext.flatten_into (extension backend)
+  ext unflatten zeroshard.ext.unflatten_into (extension backend)
+
+Usage: python benchmarks/flatten_bench.py [--quick] [--device cuda]
+"""
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+from zeroshard import ext
+
+MB = 1 << 20
+
+
+def random_sizes(n, total_numel, gen):
+    """n sizes >= 1 summing to total_numel, spread over ~3 orders of magnitude."""
+    w = torch.exp(torch.rand(n, generator=gen, dtype=torch.float64) * 7)
+    sizes = (w / w.sum() * (total_numel - n)).floor().long() + 1
+    sizes[-1] += total_numel - int(sizes.sum())
+    return sizes.tolist()
+
+
+def timer(device):
+    """Returns time_it(fn) -> seconds for one call."""
+    if device.type == "cuda":
+
+        def time_it(fn):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / 1e3
+
+    else:
+
+        def time_it(fn):
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+
+    return time_it
+
+
+def bench_case(n, nbytes, device, warmup, reps):
+    gen = torch.Generator().manual_seed(n * 7 + nbytes)
+    numel = nbytes // 4
+    sizes = random_sizes(n, numel, gen)
+    offsets = [0]
+    for s in sizes[:-1]:
+        offsets.append(offsets[-1] + s)
+    tensors = [torch.randn(s, generator=gen).to(device) for s in sizes]
+    src = torch.cat(tensors)  # the same bytes as one tensor, for the copy_ baseline
+    flat = torch.empty(numel, device=device)
+    outs = [torch.empty(s, device=device) for s in sizes]
+    time_it = timer(device)
+
+    ops = {
+        "copy": lambda: flat.copy_(src),
+        "py flatten": lambda: torch.cat(tensors, out=flat),
+        "py unflatten": lambda: torch.split_with_sizes_copy(flat, sizes, out=outs),
+        "ext flatten": lambda: ext.flatten_into(tensors, offsets, flat),
+        "ext unflatten": lambda: ext.unflatten_into(flat, offsets, outs),
+    }
+    for fn in ops.values():
+        for _ in range(warmup):
+            fn()
+    # Round-robin over the variants so that load from other processes (a shared
+    # 2-core box) hits all of them alike and the ratios stay meaningful.
+    times = {name: [] for name in ops}
+    for _ in range(reps):
+        for name, fn in ops.items():
+            times[name].append(time_it(fn))
+    gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
+    # Every variant must produce the same bytes (guards against benchmarking a no-op).
+    ext.flatten_into(tensors, offsets, flat)
+    assert torch.equal(flat, src)
+    ext.unflatten_into(flat, offsets, outs)
+    assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
+    return gbps
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="fewer repetitions")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    os.environ.pop("ZEROSHARD_DISABLE_EXT", None)
+    backend = ext.ext_backend(device)
+    print(
+        f"device={device} backend={backend} torch={torch.__version__} "
+        f"threads={torch.get_num_threads()} fp32"
+        + ("" if backend != "python" else "  (extension NOT active: ext columns are the fallback)")
+    )
+    print()
+    cols = ["copy", "py flatten", "py unflatten", "ext flatten", "ext unflatten"]
+    print("| tensors | payload | " + " | ".join(cols) + " | ext fl/copy | ext unfl/copy "
+          "| ext fl/py | ext unfl/py |")
+    print("|" + "---:|" * (2 + len(cols) + 4))
+    for nbytes in (4 * MB, 256 * MB):
+        warmup, reps = (2, 5) if args.quick else (5, 20)
+        if nbytes >= 64 * MB and not args.quick:
+            reps = 10
+        for n in (10, 100, 1000):
+            g = bench_case(n, nbytes, device, warmup, reps)
+            ratios = [
+                g["ext flatten"] / g["copy"],
+                g["ext unflatten"] / g["copy"],
+                g["ext flatten"] / g["py flatten"],
+                g["ext unflatten"] / g["py unflatten"],
+            ]
+            print(f"| {n} | {nbytes // MB} MB | " + " | ".join(f"{g[c]:.1f}" for c in cols)
+                  + " | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |", flush=True)
+    print("\nGB/s = payload bytes / median time (1 GB = 1e9 B); higher is better.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,393 @@
+// zeroshard._C: batched flatten/unflatten copies for the ZeRO-3/FSDP engine.
+//
+// flatten builds the FlatParameter (and the flat gradient buffer handed to
+// reduce-scatter) from many parameters; unflatten materializes per-parameter
+// tensors for state dicts and summon_full_params. zeroshard/ext.py holds the
+// pure-torch reference; both paths must produce identical bytes.
+//
+// Every call reduces to a table of contiguous byte runs (src, dst, nbytes).
+// The runs are copied as ONE payload split into equal chunks across threads,
+// so 1000 tiny tensors and 10 huge ones parallelize equally well. Sources or
+// destinations that are not plain row-major memory (strided, conj/neg views)
+// go through at::Tensor::copy_, which already handles strides.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstring>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#ifdef ZEROSHARD_WITH_CUDA
+// Defined in flatten_cuda.cu. `table` holds (src addr, dst addr, nbytes)
+// triples; src == 0 means zero-fill. One kernel launch on the current stream.
+void zeroshard_copy_segments_cuda(const std::vector<int64_t>& table,
+                                  const at::Device& device);
+#endif
+
+namespace {
+
+struct Segment {
+  const char* src;  // nullptr: zero-fill dst
+  char* dst;
+  int64_t nbytes;
+};
+
+// Chunks are whole 4 KiB units of the payload, so thread boundaries never
+// split a cache line; payloads under the grain (64 KiB) stay on the calling
+// thread because an OpenMP fork/join costs more than copying them.
+constexpr int64_t kUnit = 4096;
+constexpr int64_t kGrainUnits = 16;
+
+void copy_segments_cpu(const std::vector<Segment>& segs) {
+  std::vector<int64_t> prefix(segs.size() + 1, 0);  // payload start of each run
+  for (size_t i = 0; i < segs.size(); ++i) prefix[i + 1] = prefix[i] + segs[i].nbytes;
+  const int64_t total = prefix.back();
+  if (total == 0) return;
+  at::parallel_for(0, (total + kUnit - 1) / kUnit, kGrainUnits, [&](int64_t ub, int64_t ue) {
+    int64_t pos = ub * kUnit;
+    const int64_t end = std::min(ue * kUnit, total);
+    // Runs are non-empty, so this lands on the run containing `pos`.
+    size_t i = std::upper_bound(prefix.begin(), prefix.end(), pos) - prefix.begin() - 1;
+    for (; pos < end; ++i) {
+      const Segment& s = segs[i];
+      const int64_t lo = pos - prefix[i];
+      const int64_t n = std::min(end, prefix[i + 1]) - pos;
+      if (s.src != nullptr) {
+        std::memcpy(s.dst + lo, s.src + lo, n);
+      } else {
+        std::memset(s.dst + lo, 0, n);
+      }
+      pos += n;
+    }
+  });
+}
+
+void copy_segments(const std::vector<Segment>& segs, const at::Device& device) {
+  if (segs.empty()) return;
+  if (device.is_cpu()) return copy_segments_cpu(segs);
+#ifdef ZEROSHARD_WITH_CUDA
+  std::vector<int64_t> table;
+  table.reserve(segs.size() * 3);
+  for (const Segment& s : segs) {
+    table.push_back(reinterpret_cast<int64_t>(s.src));
+    table.push_back(reinterpret_cast<int64_t>(s.dst));
+    table.push_back(s.nbytes);
+  }
+  zeroshard_copy_segments_cuda(table, device);
+#else
+  TORCH_CHECK(false, "zeroshard._C was built without CUDA support");
+#endif
+}
+
+bool device_supported(const at::Device& d) {
+#ifdef ZEROSHARD_WITH_CUDA
+  return d.is_cpu() || d.is_cuda();
+#else
+  return d.is_cpu();
+#endif
+}
+
+// Tensor subclasses (__torch_dispatch__, e.g. FakeTensor/DTensor) have no raw
+// memory we may touch: the caller falls back to the pure-torch path.
+bool is_plain(const at::Tensor& t) {
+  return !t.key_set().has(c10::DispatchKey::Python) && device_supported(t.device());
+}
+
+// Row-major memory whose bytes are the logical values (a conj/neg view's
+// bytes are not), so a memcpy is exact.
+bool is_memcpyable(const at::Tensor& t) {
+  return t.is_contiguous() && !t.is_conj() && !t.is_neg() && !t._is_zerotensor();
+}
+
+void check_flat(const at::Tensor& flat) {
+  TORCH_CHECK_VALUE(flat.layout() == at::kStrided && flat.dim() == 1 && flat.is_contiguous(),
+                    "zeroshard: flat must be a 1-D contiguous tensor, got sizes ", flat.sizes(),
+                    " strides ", flat.strides());
+}
+
+void check_member(const char* what, size_t i, const at::Tensor& t, int64_t off,
+                  const at::Tensor& flat) {
+  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "zeroshard: ", what, "[", i,
+                    "] must be a strided tensor, got layout ", t.layout());
+  TORCH_CHECK_VALUE(t.scalar_type() == flat.scalar_type(), "zeroshard: ", what, "[", i,
+                    "] has dtype ", t.scalar_type(), " but flat has dtype ", flat.scalar_type());
+  TORCH_CHECK_VALUE(t.device() == flat.device(), "zeroshard: ", what, "[", i, "] is on ",
+                    t.device(), " but flat is on ", flat.device());
+  const int64_t n = t.numel();
+  TORCH_CHECK_VALUE(off >= 0 && off <= flat.numel() - n, "zeroshard: ", what, "[", i,
+                    "] range [", off, ", ", off + n, ") is out of bounds for flat of numel ",
+                    flat.numel());
+  if (n == 0) return;
+  // Raw pointers bypass torch's storage bounds checks, and a storage freed
+  // with resize_(0) (as FSDP does on reshard) still hands out data_ptr() 0.
+  const int64_t es = t.element_size();
+  int64_t last = t.storage_offset() + n - 1;  // last element reached, in elements
+  if (!t.is_contiguous()) {
+    last = t.storage_offset();
+    const auto sizes = t.sizes();
+    const auto strides = t.strides();
+    for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
+  }
+  TORCH_CHECK(static_cast<uint64_t>((last + 1) * es) <= t.storage().nbytes(), "zeroshard: ", what,
+              "[", i, "] reaches byte ", (last + 1) * es, " of a storage of ", t.storage().nbytes(),
+              " bytes (was its storage freed?)");
+  TORCH_CHECK(static_cast<uint64_t>((flat.storage_offset() + off + n) * es) <= flat.storage().nbytes(),
+              "zeroshard: flat range [", off, ", ", off + n, ") lies beyond its storage of ",
+              flat.storage().nbytes(), " bytes (was its storage freed?)");
+}
+
+// Borrowed from the Python objects, which the binding keeps alive: taking
+// std::vector<at::Tensor> through pybind costs ~65 ns per tensor, more than
+// copying a small parameter.
+using Tensors = std::vector<const at::Tensor*>;
+
+// Shared by flatten_into and flatten. Caller has validated everything, so no
+// error can surface after the first byte is written.
+void scatter_into_flat(const Tensors& tensors, const std::vector<int64_t>& offsets,
+                       const at::Tensor& flat, std::vector<Segment> segs) {
+  char* base = static_cast<char*>(flat.data_ptr());
+  const int64_t es = flat.element_size();
+  std::vector<size_t> strided;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const at::Tensor& t = *tensors[i];
+    const int64_t nbytes = t.numel() * es;
+    if (nbytes == 0) continue;
+    if (!is_memcpyable(t)) {
+      strided.push_back(i);
+      continue;
+    }
+    const char* src = static_cast<const char*>(t.const_data_ptr());
+    char* dst = base + offsets[i] * es;
+    if (src != dst) segs.push_back({src, dst, nbytes});  // src == dst: t is already in place
+  }
+  copy_segments(segs, flat.device());
+  at::NoGradGuard no_grad;  // raw data movement, like the memcpy path: no autograd history
+  for (size_t i : strided) {
+    const at::Tensor& t = *tensors[i];
+    flat.narrow(0, offsets[i], t.numel()).view(t.sizes()).copy_(t);
+  }
+}
+
+bool flatten_into(const Tensors& tensors, const std::vector<int64_t>& offsets,
+                  const at::Tensor& flat) {
+  check_flat(flat);
+  TORCH_CHECK_VALUE(tensors.size() == offsets.size(), "zeroshard: got ", tensors.size(),
+                    " tensors but ", offsets.size(), " offsets");
+  if (!is_plain(flat)) return false;
+  for (const at::Tensor* t : tensors) {
+    if (!is_plain(*t)) return false;
+  }
+  for (size_t i = 0; i < tensors.size(); ++i) check_member("tensors", i, *tensors[i], offsets[i], flat);
+  if (tensors.empty()) return true;
+  flat.unsafeGetTensorImpl()->bump_version();  // in-place write, as copy_ would record
+  scatter_into_flat(tensors, offsets, flat, {});
+  return true;
+}
+
+std::optional<at::Tensor> flatten(const Tensors& tensors, const std::vector<int64_t>& offsets,
+                                  int64_t total_numel) {
+  TORCH_CHECK_VALUE(!tensors.empty(), "zeroshard: flatten needs at least one tensor");
+  TORCH_CHECK_VALUE(tensors.size() == offsets.size(), "zeroshard: got ", tensors.size(),
+                    " tensors but ", offsets.size(), " offsets");
+  TORCH_CHECK_VALUE(total_numel >= 0, "zeroshard: total_numel must be >= 0, got ", total_numel);
+  for (const at::Tensor* t : tensors) {
+    if (!is_plain(*t)) return std::nullopt;
+  }
+  at::Tensor flat = at::empty({total_numel}, tensors[0]->options());
+  for (size_t i = 0; i < tensors.size(); ++i) check_member("tensors", i, *tensors[i], offsets[i], flat);
+
+  // Zero only the gaps between (sorted) covered ranges, in the same parallel
+  // pass as the copies, instead of a separate full-buffer memset.
+  std::vector<std::pair<int64_t, int64_t>> ranges;  // (offset, end)
+  ranges.reserve(tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const int64_t n = tensors[i]->numel();
+    if (n > 0) ranges.emplace_back(offsets[i], offsets[i] + n);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  ranges.emplace_back(total_numel, total_numel);  // sentinel: trailing padding
+  char* base = static_cast<char*>(flat.data_ptr());
+  const int64_t es = flat.element_size();
+  std::vector<Segment> gaps;
+  int64_t covered = 0;
+  for (const auto& [lo, hi] : ranges) {
+    if (lo > covered) gaps.push_back({nullptr, base + covered * es, (lo - covered) * es});
+    covered = std::max(covered, hi);
+  }
+  scatter_into_flat(tensors, offsets, flat, std::move(gaps));
+  return flat;
+}
+
+bool unflatten_into(const at::Tensor& flat, const std::vector<int64_t>& offsets,
+                    const Tensors& outs) {
+  check_flat(flat);
+  TORCH_CHECK_VALUE(outs.size() == offsets.size(), "zeroshard: got ", outs.size(),
+                    " outputs but ", offsets.size(), " offsets");
+  if (!is_plain(flat)) return false;
+  for (const at::Tensor* t : outs) {
+    if (!is_plain(*t)) return false;
+  }
+  for (size_t i = 0; i < outs.size(); ++i) check_member("outs", i, *outs[i], offsets[i], flat);
+  for (const at::Tensor* o : outs) {
+    if (o->numel() > 0) o->unsafeGetTensorImpl()->bump_version();
+  }
+
+  const char* base = static_cast<const char*>(flat.const_data_ptr());
+  const int64_t es = flat.element_size();
+  std::vector<Segment> segs;
+  std::vector<size_t> strided;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const at::Tensor& o = *outs[i];
+    const int64_t nbytes = o.numel() * es;
+    if (nbytes == 0) continue;
+    if (!is_memcpyable(o)) {
+      strided.push_back(i);
+      continue;
+    }
+    const char* src = base + offsets[i] * es;
+    char* dst = static_cast<char*>(o.data_ptr());
+    if (src != dst) segs.push_back({src, dst, nbytes});
+  }
+  copy_segments(segs, flat.device());
+  at::NoGradGuard no_grad;
+  for (size_t i : strided) {
+    const at::Tensor& o = *outs[i];
+    o.copy_(flat.narrow(0, offsets[i], o.numel()).view(o.sizes()));
+  }
+  return true;
+}
+
+std::optional<std::vector<at::Tensor>> unflatten(const at::Tensor& flat,
+                                                 const std::vector<int64_t>& offsets,
+                                                 const std::vector<std::vector<int64_t>>& shapes) {
+  check_flat(flat);
+  TORCH_CHECK_VALUE(shapes.size() == offsets.size(), "zeroshard: got ", shapes.size(),
+                    " shapes but ", offsets.size(), " offsets");
+  if (!is_plain(flat)) return std::nullopt;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    for (int64_t d : shapes[i]) {
+      TORCH_CHECK_VALUE(d >= 0, "zeroshard: shapes[", i, "] has a negative size: ", shapes[i]);
+    }
+  }
+  std::vector<at::Tensor> outs;
+  outs.reserve(shapes.size());
+  for (const auto& shape : shapes) outs.push_back(at::empty(shape, flat.options()));
+  Tensors ptrs;
+  for (const at::Tensor& o : outs) ptrs.push_back(&o);
+  unflatten_into(flat, offsets, ptrs);
+  return outs;
+}
+
+// --- Python bindings -------------------------------------------------------
+// Arguments are unpacked by hand while holding the GIL (borrowed tensor
+// pointers pinned by a tuple of the inputs); the copy itself runs without it.
+
+struct PyTensors {
+  py::object pin;  // owns a reference to every tensor in `ptrs`
+  Tensors ptrs;
+};
+
+PyTensors unpack_tensors(py::handle seq, const char* what) {
+  PyTensors out{py::reinterpret_steal<py::object>(PySequence_Tuple(seq.ptr())), {}};
+  if (!out.pin) throw py::error_already_set();
+  const Py_ssize_t n = PyTuple_GET_SIZE(out.pin.ptr());
+  out.ptrs.reserve(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* o = PyTuple_GET_ITEM(out.pin.ptr(), i);
+    if (!THPVariable_Check(o)) {
+      throw py::type_error(std::string("zeroshard: ") + what + "[" + std::to_string(i) +
+                           "] is not a Tensor");
+    }
+    out.ptrs.push_back(&THPVariable_Unpack(o));
+  }
+  return out;
+}
+
+std::vector<int64_t> unpack_ints(py::handle seq, const char* what) {
+  auto fast = py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), what));
+  if (!fast) throw py::error_already_set();
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
+  std::vector<int64_t> out(n);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    out[i] = PyLong_AsLongLong(items[i]);  // accepts __index__ (numpy ints), not floats
+    if (out[i] == -1 && PyErr_Occurred()) throw py::error_already_set();
+  }
+  return out;
+}
+
+py::object py_flatten_into(py::handle tensors, py::handle offsets, const at::Tensor& flat) {
+  PyTensors ts = unpack_tensors(tensors, "tensors");
+  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+  bool done;
+  {
+    py::gil_scoped_release nogil;
+    done = flatten_into(ts.ptrs, offs, flat);
+  }
+  return py::bool_(done);
+}
+
+py::object py_flatten(py::handle tensors, py::handle offsets, int64_t total_numel) {
+  PyTensors ts = unpack_tensors(tensors, "tensors");
+  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+  std::optional<at::Tensor> flat;
+  {
+    py::gil_scoped_release nogil;
+    flat = flatten(ts.ptrs, offs, total_numel);
+  }
+  if (!flat) return py::none();
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(*flat)));
+}
+
+py::object py_unflatten_into(const at::Tensor& flat, py::handle offsets, py::handle outs) {
+  PyTensors os = unpack_tensors(outs, "outs");
+  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+  bool done;
+  {
+    py::gil_scoped_release nogil;
+    done = unflatten_into(flat, offs, os.ptrs);
+  }
+  return py::bool_(done);
+}
+
+py::object py_unflatten(const at::Tensor& flat, py::handle offsets, py::handle shapes) {
+  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+  auto fast = py::reinterpret_steal<py::object>(PySequence_Fast(shapes.ptr(), "shapes"));
+  if (!fast) throw py::error_already_set();
+  std::vector<std::vector<int64_t>> dims;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.ptr()); ++i) {
+    dims.push_back(unpack_ints(PySequence_Fast_GET_ITEM(fast.ptr(), i),
+                               "each shape must be a sequence of ints"));
+  }
+  std::optional<std::vector<at::Tensor>> outs;
+  {
+    py::gil_scoped_release nogil;
+    outs = unflatten(flat, offs, dims);
+  }
+  if (!outs) return py::none();
+  py::list result(outs->size());
+  for (size_t i = 0; i < outs->size(); ++i) {
+    result[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move((*outs)[i])));
+  }
+  return result;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "zeroshard batched flatten/unflatten kernels; use zeroshard.ext instead";
+  m.def("flatten_into", &py_flatten_into,
+        "Returns False without writing if a tensor needs the Python path.");
+  m.def("flatten", &py_flatten, "Returns None if a tensor needs the Python path.");
+  m.def("unflatten_into", &py_unflatten_into,
+        "Returns False without writing if a tensor needs the Python path.");
+  m.def("unflatten", &py_unflatten, "Returns None if a tensor needs the Python path.");
+#ifdef ZEROSHARD_WITH_CUDA
+  m.attr("has_cuda") = true;
+#else
+  m.attr("has_cuda") = false;
+#endif
+}

@@ -1,0 +1,394 @@
+"""Byte-identity of the flatten extension (zeroshard._C) against its pure-torch reference.
+
+These copies build the FlatParameter / flat gradient buffer (flatten) and materialize
+per-parameter tensors for state dicts and summon_full_params (unflatten), so any
+difference between backends would silently corrupt training state.
+"""
+
+import os
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from zeroshard import ext
+
+try:
+    import zeroshard._C  # noqa: F401
+
+    HAVE_EXT = True
+except ImportError:
+    HAVE_EXT = False
+
+needs_ext = pytest.mark.skipif(
+    not HAVE_EXT, reason="zeroshard._C not built (pip install --no-build-isolation -e .)"
+)
+SETTINGS = settings(
+    max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+# Integer types of the same width, for filling floats with arbitrary bit patterns
+# (NaN payloads included): a copy must move bytes, not values.
+BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def random_bits(shape, dtype, gen):
+    bits = BITS[torch.empty((), dtype=dtype).element_size()]
+    info = torch.iinfo(bits)
+    raw = torch.randint(info.min, info.max, tuple(shape), dtype=bits, generator=gen)
+    return raw.view(dtype)
+
+
+def as_bytes(t):
+    # A fresh clone: even an empty view may carry strides that .view() rejects.
+    return t.clone(memory_format=torch.contiguous_format).view(-1).view(torch.uint8)
+
+
+def storage_bytes(t):
+    """Every byte of t's storage, including those outside the view."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage())
+
+
+def same_bytes(a, b):
+    return a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
+
+
+def run(backend, fn, *args):
+    """Call fn with ZEROSHARD_DISABLE_EXT set for "python" and unset otherwise."""
+    with pytest.MonkeyPatch.context() as mp:
+        if backend == "python":
+            mp.setenv("ZEROSHARD_DISABLE_EXT", "1")
+        else:
+            mp.delenv("ZEROSHARD_DISABLE_EXT", raising=False)
+        return fn(*args)
+
+
+def make_view(base_shape, kind, dtype, gen, device="cpu"):
+    """A tensor of logical shape base_shape that is a (possibly strided) view."""
+    shape = list(base_shape)
+    if kind == "transpose" and len(shape) >= 2:
+        base = random_bits(shape[::-1], dtype, gen)
+        return base.to(device).permute(*reversed(range(len(shape))))
+    if kind == "step" and len(shape) >= 1:
+        big = shape[:-1] + [shape[-1] * 2 + 1]
+        return random_bits(big, dtype, gen).to(device)[..., 1::2]
+    if kind == "offset":  # contiguous but not at the start of its storage
+        return random_bits([int(torch.Size(shape).numel()) + 3], dtype, gen).to(device)[3:].view(
+            shape
+        )
+    return random_bits(shape, dtype, gen).to(device)
+
+
+shape_st = st.lists(st.integers(0, 5), min_size=0, max_size=3)  # [] is a scalar
+case_st = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(DTYPES),
+        "specs": st.lists(
+            st.tuples(
+                shape_st,
+                st.sampled_from(["contig", "transpose", "step", "offset"]),
+                st.integers(0, 3),  # padding before this tensor
+            ),
+            max_size=8,
+        ),
+        "tail": st.integers(0, 4),
+        "order": st.randoms(use_true_random=False),
+        "seed": st.integers(0, 2**31 - 1),
+    }
+)
+
+
+def build(case, device="cpu"):
+    """tensors (views), offsets (with gaps, in shuffled placement order), total numel."""
+    gen = torch.Generator().manual_seed(case["seed"])
+    tensors = [make_view(s, k, case["dtype"], gen, device) for s, k, _ in case["specs"]]
+    placement = list(range(len(tensors)))
+    case["order"].shuffle(placement)
+    offsets, cursor = [0] * len(tensors), 0
+    for i in placement:
+        cursor += case["specs"][i][2]
+        offsets[i] = cursor
+        cursor += tensors[i].numel()
+    return tensors, offsets, cursor + case["tail"], gen
+
+
+def check_flat_contents(flat, tensors, offsets):
+    covered = torch.zeros(flat.numel(), dtype=torch.bool)
+    for t, o in zip(tensors, offsets):
+        assert torch.equal(as_bytes(flat[o : o + t.numel()]), as_bytes(t))
+        covered[o : o + t.numel()] = True
+    assert not as_bytes(flat[~covered.to(flat.device)]).any(), "padding must be zero"
+
+
+@needs_ext
+@SETTINGS
+@given(case_st)
+def test_flatten_matches_python(case):
+    tensors, offsets, total, _ = build(case)
+    got = run("ext", ext.flatten, tensors, offsets, total)
+    want = run("python", ext.flatten, tensors, offsets, total)
+    assert got.is_contiguous() and same_bytes(got, want)
+    assert got.dtype == (case["dtype"] if tensors else torch.get_default_dtype())
+    check_flat_contents(got, tensors, offsets)
+
+
+@needs_ext
+@SETTINGS
+@given(case_st)
+def test_flatten_into_matches_python(case):
+    tensors, offsets, total, gen = build(case)
+    flat = random_bits([total + 2], case["dtype"], gen)  # uncovered bytes must survive
+    got, want = flat.clone(), flat.clone()
+    assert run("ext", ext.flatten_into, tensors, offsets, got) is got
+    run("python", ext.flatten_into, tensors, offsets, want)
+    assert same_bytes(got, want)
+    covered = torch.zeros(flat.numel(), dtype=torch.bool)
+    for t, o in zip(tensors, offsets):
+        covered[o : o + t.numel()] = True
+    assert torch.equal(as_bytes(got[~covered]), as_bytes(flat[~covered]))
+
+
+@needs_ext
+@SETTINGS
+@given(case_st)
+def test_unflatten_matches_python(case):
+    tensors, offsets, total, gen = build(case)
+    flat = random_bits([total], case["dtype"], gen)
+    shapes = [t.shape for t in tensors]
+    got = run("ext", ext.unflatten, flat, offsets, shapes)
+    want = run("python", ext.unflatten, flat, offsets, shapes)
+    assert len(got) == len(want) == len(shapes)
+    for g, w, s, o in zip(got, want, shapes, offsets):
+        assert g.shape == s and g.is_contiguous() and same_bytes(g, w)
+        assert torch.equal(as_bytes(g), as_bytes(flat[o : o + s.numel()]))
+        if g.numel():
+            assert g.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+
+
+@needs_ext
+@SETTINGS
+@given(case_st)
+def test_unflatten_into_matches_python(case):
+    tensors, offsets, total, gen = build(case)
+    flat = random_bits([total], case["dtype"], gen)
+    # The outs are the strided views themselves: compare whole storages, so bytes
+    # outside each view must be left alone too.
+    outs_ext = tensors
+    outs_py = [
+        torch.empty(0, dtype=t.dtype).set_(
+            t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride()
+        )
+        for t in tensors
+    ]
+    before = [storage_bytes(t).clone() for t in tensors]
+    assert run("ext", ext.unflatten_into, flat, offsets, outs_ext) is None
+    run("python", ext.unflatten_into, flat, offsets, outs_py)
+    for g, w, o, b in zip(outs_ext, outs_py, offsets, before):
+        assert torch.equal(storage_bytes(g), storage_bytes(w))
+        assert torch.equal(as_bytes(g), as_bytes(flat[o : o + g.numel()]))
+        if g.numel() == 0:
+            assert torch.equal(storage_bytes(g), b)
+
+
+@needs_ext
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_large_parallel_chunks(dtype):
+    """Payloads of several MB so at::parallel_for really splits, with chunk borders
+    inside tensors and spanning many small ones, plus strided members."""
+    gen = torch.Generator().manual_seed(0)
+    sizes = torch.randint(0, 40_000, (300,), generator=gen).tolist() + [1_000_000, 1, 0]
+    tensors = [random_bits([n], dtype, gen) for n in sizes]
+    tensors[5] = random_bits([700, 300], dtype, gen).t()
+    tensors[17] = random_bits([90_000], dtype, gen)[::3]
+    offsets, cursor = [], 0
+    for i, t in enumerate(tensors):
+        cursor += i % 3  # odd gaps: unaligned destinations
+        offsets.append(cursor)
+        cursor += t.numel()
+    total = cursor + 17
+    got = run("ext", ext.flatten, tensors, offsets, total)
+    assert same_bytes(got, run("python", ext.flatten, tensors, offsets, total))
+    check_flat_contents(got, tensors, offsets)
+    shapes = [t.shape for t in tensors]
+    got_u = run("ext", ext.unflatten, got, offsets, shapes)
+    for g, t in zip(got_u, tensors):
+        assert same_bytes(g, t)
+    outs = [torch.empty_like(t) for t in tensors]
+    outs[5] = torch.empty(700, 300, dtype=dtype).t()  # strided destination
+    run("ext", ext.unflatten_into, got, offsets, outs)
+    for o, t in zip(outs, tensors):
+        assert same_bytes(o, t)
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_empty_inputs(backend):
+    if backend == "ext" and not HAVE_EXT:
+        pytest.skip("zeroshard._C not built")
+    flat = torch.arange(4.0)
+    assert run(backend, ext.flatten_into, [], [], flat) is flat
+    assert torch.equal(flat, torch.arange(4.0))
+    assert torch.equal(run(backend, ext.flatten, [], [], 3), torch.zeros(3))
+    assert run(backend, ext.unflatten, flat, [], []) == []
+    assert run(backend, ext.unflatten_into, flat, [], []) is None
+    z = run(backend, ext.flatten, [torch.empty(0, 3)], [0], 0)
+    assert z.shape == (0,)
+    (u,) = run(backend, ext.unflatten, torch.empty(0), [0], [torch.Size([2, 0])])
+    assert u.shape == (2, 0)
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_validation_errors(backend):
+    if backend == "ext" and not HAVE_EXT:
+        pytest.skip("zeroshard._C not built")
+    flat = torch.zeros(10)
+    bad = [
+        (ext.flatten_into, ([torch.ones(3, dtype=torch.float16)], [0], flat), "dtype"),
+        (ext.flatten_into, ([torch.ones(3, device="meta")], [0], flat), "flat is on"),
+        (ext.flatten_into, ([torch.ones(3)], [8], flat), "out of bounds"),
+        (ext.flatten_into, ([torch.ones(3)], [-1], flat), "out of bounds"),
+        (ext.flatten_into, ([torch.ones(3)], [0, 1], flat), "offsets"),
+        (ext.flatten_into, ([torch.ones(3)], [0], torch.zeros(2, 5)), "1-D contiguous"),
+        (ext.flatten_into, ([torch.ones(3)], [0], torch.zeros(20)[::2]), "1-D contiguous"),
+        (ext.flatten, ([torch.ones(3)], [0], 2), "out of bounds"),
+        (ext.flatten, ([torch.ones(3), torch.ones(2, dtype=torch.int32)], [0, 3], 5), "dtype"),
+        (ext.flatten, ([torch.ones(3)], [0], -1), "total_numel"),
+        (ext.unflatten_into, (flat, [9], [torch.empty(2)]), "out of bounds"),
+        (ext.unflatten_into, (flat, [0], [torch.empty(2, dtype=torch.bfloat16)]), "dtype"),
+        (ext.unflatten, (flat, [9], [torch.Size([2])]), "out of bounds"),
+        (ext.unflatten, (flat, [0], [(2, -1)]), "negative"),
+    ]
+    for fn, args, msg in bad:
+        with pytest.raises(ValueError, match=msg):
+            run(backend, fn, *args)
+    assert not flat.any(), "a rejected call must not write"
+
+
+@needs_ext
+def test_freed_storage_is_rejected():
+    """FSDP frees unsharded storage with resize_(0); data_ptr() is then 0, so the
+    extension must check storage bounds itself instead of writing through it."""
+    flat = torch.zeros(10)
+    flat.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="storage"):
+        run("python", ext.flatten_into, [torch.ones(3)], [0], flat)
+    with pytest.raises(RuntimeError, match="storage"):
+        run("ext", ext.flatten_into, [torch.ones(3)], [0], flat)
+    with pytest.raises(RuntimeError, match="storage"):
+        run("ext", ext.unflatten, flat, [0], [(3,)])
+    src = torch.ones(4)
+    src.untyped_storage().resize_(0)  # torch's own copy_ would segfault on this one
+    with pytest.raises(RuntimeError, match="storage"):
+        run("ext", ext.flatten, [src], [0], 4)
+    with pytest.raises(RuntimeError, match="storage"):
+        run("ext", ext.unflatten_into, torch.zeros(4), [0], [src])
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_aliasing_and_autograd(backend):
+    """Params that already view the FlatParameter copy onto themselves; writes are raw
+    data movement (no autograd graph) but bump version counters like copy_."""
+    if backend == "ext" and not HAVE_EXT:
+        pytest.skip("zeroshard._C not built")
+    flat = torch.nn.Parameter(torch.arange(10.0))
+    views = [flat.detach()[0:4].view(2, 2), flat.detach()[4:10]]
+    v0 = flat._version
+    run(backend, ext.flatten_into, views, [0, 4], flat)
+    assert torch.equal(flat.detach(), torch.arange(10.0)) and flat._version > v0
+    src = [torch.ones(4, requires_grad=True)]
+    out = run(backend, ext.flatten, src, [2], 8)
+    assert not out.requires_grad and out.grad_fn is None
+    run(backend, ext.flatten_into, src, [0], flat)  # in-place into a leaf Parameter
+    assert flat.grad_fn is None and torch.equal(flat.detach()[:4], torch.ones(4))
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_conj_and_neg_views_are_resolved(backend):
+    """A conj/neg view's bytes are not its values: both paths must copy values."""
+    if backend == "ext" and not HAVE_EXT:
+        pytest.skip("zeroshard._C not built")
+    z = torch.randn(6, dtype=torch.complex64)
+    srcs = [z.conj(), z.conj().imag]
+    assert srcs[0].is_conj() and srcs[1].is_neg()
+    want0, want1 = z.conj().resolve_conj(), -z.imag
+    flat = run(backend, ext.flatten, [srcs[0]], [0], 6)
+    assert torch.equal(flat, want0)
+    flat_r = run(backend, ext.flatten, [srcs[1]], [1], 7)
+    assert torch.equal(flat_r[1:], want1)
+    out = torch.zeros(6, dtype=torch.complex64).conj()
+    run(backend, ext.unflatten_into, z, [0], [out])
+    assert torch.equal(out.resolve_conj(), z)
+
+
+@needs_ext
+def test_backend_cpp_when_built():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ZEROSHARD_DISABLE_EXT", raising=False)
+        assert ext.ext_backend() == "cpp"
+        assert ext.ext_backend("cpu") == "cpp"
+        assert ext.ext_backend(torch.device("meta")) == "python"
+
+
+@pytest.mark.skipif(
+    os.environ.get("ZEROSHARD_REQUIRE_EXT") != "1", reason="set ZEROSHARD_REQUIRE_EXT=1 to demand it"
+)
+def test_extension_required():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("ZEROSHARD_DISABLE_EXT", raising=False)
+        assert ext.ext_backend() == "cpp", "zeroshard._C failed to build or import"
+
+
+def test_backend_python_when_disabled(monkeypatch):
+    monkeypatch.setenv("ZEROSHARD_DISABLE_EXT", "1")
+    assert ext.ext_backend() == "python"
+    assert ext.ext_backend("cuda") == "python"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_cuda_matches_python(dtype):
+    if ext.ext_backend("cuda") != "cuda":
+        pytest.skip("zeroshard._C was built without CUDA")
+    rnd = __import__("random").Random(0)
+    for seed in range(20):  # small random cases, inline-table path
+        specs = [
+            ([rnd.randint(0, 5) for _ in range(rnd.randint(0, 3))],
+             rnd.choice(["contig", "transpose", "step", "offset"]), rnd.randint(0, 3))
+            for _ in range(rnd.randint(0, 8))
+        ]
+        case = {"dtype": dtype, "specs": specs, "tail": 3, "order": rnd, "seed": seed}
+        _check_cuda_case(*build(case, "cuda"))
+    gen = torch.Generator().manual_seed(1)  # thousands of pieces: device-table path
+    sizes = torch.randint(0, 300_000, (500,), generator=gen).tolist() + [5_000_000]
+    tensors = [random_bits([n], dtype, gen).cuda() for n in sizes]
+    tensors[3] = tensors[3][::2]
+    offsets, cursor = [], 0
+    for i, t in enumerate(tensors):
+        cursor += i % 5
+        offsets.append(cursor)
+        cursor += t.numel()
+    _check_cuda_case(tensors, offsets, cursor + 9, gen)
+
+
+def _check_cuda_case(tensors, offsets, total, gen):
+    dtype = tensors[0].dtype if tensors else torch.float32
+    got = run("ext", ext.flatten, tensors, offsets, total)
+    want = run("python", ext.flatten, tensors, offsets, total)
+    if tensors:
+        assert got.is_cuda and same_bytes(got.cpu(), want.cpu())
+    flat = random_bits([total + 1], dtype, gen).cuda()
+    a, b = flat.clone(), flat.clone()
+    run("ext", ext.flatten_into, tensors, offsets, a)
+    run("python", ext.flatten_into, tensors, offsets, b)
+    assert same_bytes(a.cpu(), b.cpu())
+    shapes = [t.shape for t in tensors]
+    for g, w in zip(run("ext", ext.unflatten, a, offsets, shapes),
+                    run("python", ext.unflatten, a, offsets, shapes)):
+        assert same_bytes(g.cpu(), w.cpu())
+    outs_e = [torch.empty_like(t) for t in tensors]
+    outs_p = [torch.empty_like(t) for t in tensors]
+    run("ext", ext.unflatten_into, a, offsets, outs_e)
+    run("python", ext.unflatten_into, a, offsets, outs_p)
+    for g, w in zip(outs_e, outs_p):
+        assert same_bytes(g.cpu(), w.cpu())
+    torch.cuda.synchronize()

@@ -1,0 +1,208 @@
+"""Batched flatten/unflatten copies: optional C++/CUDA extension plus a pure-torch fallback.
+
+ZeRO-3/FSDP role: ``flatten``/``flatten_into`` build the FlatParameter and the flat
+gradient buffer handed to reduce-scatter; ``unflatten``/``unflatten_into`` materialize
+per-parameter tensors for state dicts and ``summon_full_params``. Both backends write
+identical bytes; the extension only makes many-tensor copies fast (one parallel pass on
+CPU, one kernel launch on CUDA).
+
+All four functions are raw data movement: no autograd history is recorded, whatever
+``requires_grad`` says. Overlapping destination ranges give unspecified results.
+
+This module is the bottom of zeroshard's import graph: it imports nothing from zeroshard
+except the compiled ``zeroshard._C``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+try:
+    from . import _C
+except ModuleNotFoundError:  # not built (ZEROSHARD_NO_BUILD_EXT=1, no compiler, failed build)
+    _C = None
+except ImportError as e:  # built but unloadable, e.g. against another torch: rebuild it
+    warnings.warn(f"zeroshard._C failed to load ({e}); using the pure-torch fallback")
+    _C = None
+
+__all__ = ["ext_backend", "flatten_into", "flatten", "unflatten_into", "unflatten"]
+
+
+def ext_backend(device: torch.device | str | None = None) -> str:
+    """Backend used for tensors on ``device`` (default: CPU).
+
+    "cuda" if the CUDA extension is loaded and device is cuda, "cpp" if the C++ extension
+    is loaded and device is cpu, else "python" (including devices the extension does not
+    serve, e.g. meta). ZEROSHARD_DISABLE_EXT=1 forces "python"; it is read on every call
+    so tests can toggle it.
+    """
+    if _C is None or os.environ.get("ZEROSHARD_DISABLE_EXT") == "1":
+        return "python"
+    if device is None:
+        kind = "cpu"
+    else:
+        kind = device.type if isinstance(device, torch.device) else torch.device(device).type
+    if kind == "cpu":
+        return "cpp"
+    if kind == "cuda" and _C.has_cuda:
+        return "cuda"
+    return "python"
+
+
+def flatten_into(tensors: Sequence[Tensor], offsets: Sequence[int], flat: Tensor) -> Tensor:
+    """Copy each tensor (any shape/strides, read in its logical row-major order) into
+    ``flat[off:off+numel]``; elements of flat not covered are left untouched. flat is 1-D
+    contiguous; all tensors have flat's dtype and device. Returns flat."""
+    _check_lengths(tensors, offsets, "tensors")
+    # The extension validates in C++: a Python loop over 1000 tensors would cost more
+    # than copying them. It declines (False) for tensor subclasses.
+    if ext_backend(flat.device) != "python" and _C.flatten_into(tensors, offsets, flat):
+        return flat
+    _check_flat(flat)
+    _check_members(tensors, offsets, flat, "tensors")
+    with torch.no_grad():
+        _py_scatter(tensors, offsets, flat)
+    return flat
+
+
+def flatten(tensors: Sequence[Tensor], offsets: Sequence[int], total_numel: int) -> Tensor:
+    """New 1-D contiguous tensor of ``total_numel`` elements (dtype/device of tensors[0])
+    holding each tensor at its offset and zeros everywhere else (padding). With no
+    tensors, returns zeros of the default dtype on CPU."""
+    _check_lengths(tensors, offsets, "tensors")
+    if total_numel < 0:
+        raise ValueError(f"zeroshard: total_numel must be >= 0, got {total_numel}")
+    if not tensors:
+        return torch.zeros(total_numel)
+    if ext_backend(tensors[0].device) != "python":
+        flat = _C.flatten(tensors, offsets, total_numel)
+        if flat is not None:
+            return flat
+    flat = torch.empty(total_numel, dtype=tensors[0].dtype, device=tensors[0].device)
+    _check_members(tensors, offsets, flat, "tensors")
+    numels = [t.numel() for t in tensors]
+    with torch.no_grad():
+        # Only the gaps are zeroed: the copies overwrite everything else anyway.
+        covered = 0
+        for lo, hi in sorted((o, o + n) for o, n in zip(offsets, numels) if n > 0):
+            if lo > covered:
+                flat[covered:lo].zero_()
+            covered = max(covered, hi)
+        if covered < total_numel:
+            flat[covered:].zero_()
+        start = _packed_start(offsets, numels)
+        if start is None:
+            _py_scatter(tensors, offsets, flat)
+        else:  # back-to-back in list order: one cat (flat is new, so nothing aliases it)
+            torch.cat([t.reshape(-1) for t in tensors], out=flat.narrow(0, start, sum(numels)))
+    return flat
+
+
+def unflatten_into(flat: Tensor, offsets: Sequence[int], outs: Sequence[Tensor]) -> None:
+    """Copy ``flat[off:off+outs[i].numel()]`` into ``outs[i]`` (which may be
+    non-contiguous), filling it in row-major order."""
+    _check_lengths(outs, offsets, "outs")
+    if ext_backend(flat.device) != "python" and _C.unflatten_into(flat, offsets, outs):
+        return
+    _check_flat(flat)
+    _check_members(outs, offsets, flat, "outs")
+    if outs:
+        srcs = [flat.narrow(0, o, t.numel()).view(t.shape) for t, o in zip(outs, offsets)]
+        with torch.no_grad():
+            _copy_all(list(outs), srcs)
+
+
+def unflatten(flat: Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]) -> list[Tensor]:
+    """New contiguous tensors (copies, never views of flat) of the given shapes, read from
+    flat at offsets."""
+    _check_lengths(shapes, offsets, "shapes")
+    if ext_backend(flat.device) != "python":
+        outs = _C.unflatten(flat, offsets, shapes)
+        if outs is not None:
+            return outs
+    _check_flat(flat)
+    shapes = [torch.Size(s) for s in shapes]
+    for i, s in enumerate(shapes):
+        if any(d < 0 for d in s):
+            raise ValueError(f"zeroshard: shapes[{i}] has a negative size: {tuple(s)}")
+    numels = [math.prod(s) for s in shapes]
+    _check_ranges(numels, offsets, flat.numel(), "shapes")
+    start = _packed_start(offsets, numels)
+    with torch.no_grad():
+        if start is not None:
+            parts = torch.split_with_sizes_copy(flat.narrow(0, start, sum(numels)), numels)
+            return [p.view(s) for p, s in zip(parts, shapes)]
+        return [flat.narrow(0, o, n).view(s).clone() for o, n, s in zip(offsets, numels, shapes)]
+
+
+# --- pure-torch helpers ------------------------------------------------------------
+
+
+def _py_scatter(tensors: Sequence[Tensor], offsets: Sequence[int], flat: Tensor) -> None:
+    # copy_ (under _foreach_copy_) tolerates a source that already is its destination
+    # (params viewing the FlatParameter); cat(out=) would reject that aliasing.
+    if tensors:
+        dsts = [flat.narrow(0, o, t.numel()).view(t.shape) for t, o in zip(tensors, offsets)]
+        _copy_all(dsts, list(tensors))
+
+
+def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
+    # _foreach_copy_ is one dispatch for the whole list but rejects conj/neg views.
+    if any(t.is_conj() or t.is_neg() for t in dsts + srcs):
+        for d, s in zip(dsts, srcs):
+            d.copy_(s)
+    else:
+        torch._foreach_copy_(dsts, srcs)
+
+
+def _packed_start(offsets: Sequence[int], numels: Sequence[int]) -> int | None:
+    """offsets[0] if the ranges sit back-to-back in list order, else None."""
+    if not offsets:
+        return None
+    nxt = offsets[0]
+    for o, n in zip(offsets, numels):
+        if o != nxt:
+            return None
+        nxt = o + n
+    return offsets[0]
+
+
+def _check_lengths(items: Sequence, offsets: Sequence[int], what: str) -> None:
+    if len(items) != len(offsets):
+        raise ValueError(f"zeroshard: got {len(items)} {what} but {len(offsets)} offsets")
+
+
+def _check_flat(flat: Tensor) -> None:
+    if flat.layout != torch.strided or flat.dim() != 1 or not flat.is_contiguous():
+        raise ValueError(
+            f"zeroshard: flat must be a 1-D contiguous tensor, got sizes {list(flat.shape)} "
+            f"strides {list(flat.stride()) if flat.layout == torch.strided else None}"
+        )
+
+
+def _check_members(tensors: Sequence[Tensor], offsets: Sequence[int], flat: Tensor, what: str):
+    for i, t in enumerate(tensors):
+        if t.layout != torch.strided:
+            raise ValueError(f"zeroshard: {what}[{i}] must be a strided tensor, got {t.layout}")
+        if t.dtype != flat.dtype:
+            raise ValueError(
+                f"zeroshard: {what}[{i}] has dtype {t.dtype} but flat has dtype {flat.dtype}"
+            )
+        if t.device != flat.device:
+            raise ValueError(f"zeroshard: {what}[{i}] is on {t.device} but flat is on {flat.device}")
+    _check_ranges([t.numel() for t in tensors], offsets, flat.numel(), what)
+
+
+def _check_ranges(numels: Sequence[int], offsets: Sequence[int], flat_numel: int, what: str):
+    for i, (o, n) in enumerate(zip(offsets, numels)):
+        if o < 0 or o + n > flat_numel:
+            raise ValueError(
+                f"zeroshard: {what}[{i}] range [{o}, {o + n}) is out of bounds for flat of "
+                f"numel {flat_numel}"
+            )
