@@ -10,6 +10,7 @@ The package reads in lifecycle order:
   wrap        -> which submodules become units (auto-wrap policies)
   fully_sharded -> the FullyShardedDataParallel module itself
   grad_norm   -> clip_grad_norm_ over shards
+  state_dict  -> summon_full_params, full and local state dicts
   comm        -> the collectives, with byte accounting
   ext         -> optional C++/CUDA flatten/unflatten kernels
 """
@@ -18,7 +19,17 @@ from .comm import comm_stats
 from .ext import ext_backend
 from .fully_sharded import FSDP, FullyShardedDataParallel
 from .handle import unsharded_tracker
-from .options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .options import (
+    BackwardPrefetch,
+    CPUOffload,
+    FullStateDictConfig,
+    LocalStateDictConfig,
+    MixedPrecision,
+    ShardedStateDictConfig,
+    ShardingStrategy,
+    StateDictConfig,
+    StateDictType,
+)
 
 __all__ = [
     "FullyShardedDataParallel",
@@ -27,6 +38,11 @@ __all__ = [
     "BackwardPrefetch",
     "MixedPrecision",
     "CPUOffload",
+    "StateDictType",
+    "StateDictConfig",
+    "FullStateDictConfig",
+    "LocalStateDictConfig",
+    "ShardedStateDictConfig",
     "wrap",
     "comm_stats",
     "ext_backend",

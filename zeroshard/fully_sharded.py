@@ -16,10 +16,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import hooks
+from . import state_dict as sd
 from .flat_param import FlatParameter, collect_params
 from .grad_norm import clip_grad_norm_
 from .handle import FlatParamHandle
-from .options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from .options import BackwardPrefetch, CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
 from .wrap import auto_wrap
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -101,12 +102,15 @@ class FullyShardedDataParallel(nn.Module):
                 use_orig_params=use_orig_params, unit_name=type(module).__name__,
             )
             flat = self._handle.flat_param
+            self._handle.flat_param_host = module
             if not use_orig_params:
                 module._parameters[FLAT_PARAM] = flat
             flat.register_post_accumulate_grad_hook(lambda p: hooks.post_backward(self, p))
         self._is_root: bool | None = None
         self._runtime: hooks.RootRuntime | None = None
         self._sync_gradients = True
+        self._state_dict_type = StateDictType.FULL_STATE_DICT
+        self._state_dict_config = FullStateDictConfig()
 
     # ------------------------------------------------------------------ runtime
     @property
@@ -165,6 +169,39 @@ class FullyShardedDataParallel(nn.Module):
         if not self._is_root:
             raise RuntimeError("zeroshard: clip_grad_norm_() must be called on the root FullyShardedDataParallel instance.")
         return clip_grad_norm_(self, max_norm, norm_type)
+
+    # ------------------------------------------------------------ state dicts
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        if sd.passthrough_active():
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        self._lazy_init()
+        out = sd.save(self, prefix=prefix, keep_vars=keep_vars)
+        if destination is not None:
+            destination.update(out)
+            return destination
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("zeroshard: load_state_dict(assign=True) would replace the sharded parameters. Fix: use assign=False.")
+        self._lazy_init()
+        return sd.load(self, state_dict, strict)
+
+    @staticmethod
+    def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False):
+        """Context manager: the full parameters, under their original names, inside the block."""
+        return sd.summon_full_params(module, recurse, writeback, rank0_only, offload_to_cpu, with_grads)
+
+    @staticmethod
+    def state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
+        """Context manager selecting FULL / LOCAL state dicts for every unit in ``module``."""
+        if optim_state_dict_config is not None:
+            raise ValueError("zeroshard: optim_state_dict_config is not supported yet (no optimizer state dicts). Fix: leave it None.")
+        return sd.state_dict_type(module, state_dict_type, state_dict_config)
+
+    @staticmethod
+    def set_state_dict_type(module, state_dict_type, state_dict_config=None):
+        sd.set_state_dict_type(module, state_dict_type, state_dict_config)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:

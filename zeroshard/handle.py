@@ -104,6 +104,7 @@ class FlatParamHandle:
         self.orig_params: list[nn.Parameter] = params if use_orig_params else []
         for p in params:
             p._zeroshard_unit = unit_name  # marks it as owned; see wrap checks
+        self.flat_param_host: nn.Module | None = None  # module whose _parameters hold flat_param
         self.is_root = False
         self.state = HandleState.IDLE
         self._gather_work = None
@@ -191,6 +192,61 @@ class FlatParamHandle:
         for info in self.layout.shared:
             info.module._parameters[info.name] = self.orig_params[info.prim_index]
 
+    # ------------------------------------------------------- full parameters
+    def enter_full_params(self, writeback: bool, with_grads: bool) -> dict:
+        """Gather the full parameters and register them under their original
+        names as ``nn.Parameter``s (for summon_full_params / state dicts).
+        Returns what :meth:`exit_full_params` needs to undo it."""
+        undo = {"was_unsharded": self.unsharded, "backup": None}
+        if self.sharded:
+            self.wait_unshard()
+        elif not writeback:
+            undo["backup"] = self.flat_param.detach().clone()
+        flat = self.flat_param.detach()
+        views = [flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.layout.params]
+        if self.use_orig_params:
+            params = self.orig_params
+            for p, view in zip(params, views):
+                p.data = view
+        else:
+            params = [nn.Parameter(v, requires_grad=self.flat_param.requires_grad) for v in views]
+            self.flat_param_host._parameters.pop("_flat_param", None)
+        for p, info in zip(params, self.layout.params):
+            _register(info.module, info.name, p)
+        for info in self.layout.shared:
+            _register(info.module, info.name, params[info.prim_index])
+        if with_grads:
+            self._gather_full_grads(params)
+        return undo
+
+    def _gather_full_grads(self, params):
+        g = self.flat_param.grad
+        if g is None:
+            return
+        if self.sharded:
+            full = g.new_empty(self.layout.padded_numel)
+            comm.all_gather(full, g, self.group, async_op=False)
+            g = full
+        for p, info in zip(params, self.layout.params):
+            p.grad = None
+            p.grad = g[info.offset : info.offset + info.numel].view(info.shape)
+
+    def exit_full_params(self, writeback: bool, undo: dict):
+        if self.sharded and writeback:
+            start = self.rank * self.layout.shard_numel
+            self.local_shard.copy_(self.padded[start : start + self.layout.shard_numel])
+        if undo["backup"] is not None:
+            self.flat_param.data.copy_(undo["backup"])
+        if not self.use_orig_params:
+            for info in (*self.layout.params, *self.layout.shared):
+                info.module._parameters.pop(info.name, None)
+            self.flat_param_host._parameters["_flat_param"] = self.flat_param
+            if not self.sharded:
+                self.use_unsharded_views()
+        self.reshard(free=not undo["was_unsharded"])
+        if self.use_orig_params:
+            self.use_sharded_grad_views()
+
     # ---------------------------------------------------------------- gradients
     def prepare_gradient_for_backward(self):
         """Move a sharded gradient from a previous step aside, so that autograd
@@ -240,6 +296,11 @@ class FlatParamHandle:
         parameters' grads; drop the flat gradient they were views of."""
         if self.use_orig_params and all(p.grad is None for p in self.orig_params):
             self.flat_param.grad = None
+
+
+def _register(module: nn.Module, name: str, param: nn.Parameter):
+    module.__dict__.pop(name, None)  # a plain view attribute would shadow the parameter
+    module._parameters[name] = param
 
 
 def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, in_parameters: bool):

@@ -103,7 +103,12 @@ def post_forward(state, output):
         rt = state._runtime
         handle.post_forward_index = len(rt.post_forward_order)
         rt.post_forward_order.append(handle)
-        _reshard(handle, free=not state._is_root and handle.strategy in RESHARD_AFTER_FORWARD)
+        # The root keeps its parameters for backward, which starts with it;
+        # ZeRO-2 keeps them all. Without grad mode no backward will come to
+        # free them, and a shard changed meanwhile (optimizer, load) would
+        # leave them stale, so they are freed right away.
+        keep = torch.is_grad_enabled() and (state._is_root or handle.strategy not in RESHARD_AFTER_FORWARD)
+        _reshard(handle, free=not keep)
         handle.state = HandleState.IDLE
     _register_pre_backward(state, output)
     return output

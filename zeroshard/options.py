@@ -58,3 +58,34 @@ class CPUOffload:
     """Keep the sharded parameters (and their gradients) on CPU between uses."""
 
     offload_params: bool = False
+
+
+class StateDictType(enum.Enum):
+    """What ``state_dict()`` returns: the whole model (FULL), each rank's flat
+    shards (LOCAL), or per-parameter shards (SHARDED)."""
+
+    FULL_STATE_DICT = enum.auto()
+    LOCAL_STATE_DICT = enum.auto()
+    SHARDED_STATE_DICT = enum.auto()
+
+
+@dataclass
+class StateDictConfig:
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class FullStateDictConfig(StateDictConfig):
+    """``rank0_only``: only rank 0 materializes the full state dict (others get {})."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class LocalStateDictConfig(StateDictConfig):
+    pass
+
+
+@dataclass
+class ShardedStateDictConfig(StateDictConfig):
+    pass

@@ -1,0 +1,151 @@
+"""summon_full_params and state dicts: full parameters under their original
+names, equal to torch FSDP1's; a FULL state dict loads into the plain model;
+loads write back into the shards; LOCAL state dicts round-trip and refuse
+another world size."""
+from __future__ import annotations
+
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.fsdp as tfsdp
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+import zeroshard as zs
+from models import Block, TransformerBlock, batch, build
+
+
+def _pair(model_name, strategy, use_orig_params):
+    base = build(model_name)
+    kw = dict(sharding_strategy=getattr(zs.ShardingStrategy, strategy), use_orig_params=use_orig_params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = tfsdp.FullyShardedDataParallel(
+            copy.deepcopy(base), device_id=torch.device("cpu"), auto_wrap_policy=TorchModuleWrapPolicy({Block, TransformerBlock}),
+            sharding_strategy=getattr(tfsdp.ShardingStrategy, strategy), use_orig_params=use_orig_params)
+    ours = zs.FSDP(copy.deepcopy(base), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block, TransformerBlock}), **kw)
+    return base, ref, ours
+
+
+def _train_step(model, opt, model_name, rank, step):
+    model(batch(model_name, rank, step)).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _full_state_dict_parity(rank, world_size, model_name, strategy, use_orig_params):
+    base, ref, ours = _pair(model_name, strategy, use_orig_params)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours)]
+    for step in range(2):
+        for m, o in zip((ref, ours), opts):
+            _train_step(m, o, model_name, rank, step)
+    sd_ref, sd_ours = ref.state_dict(), ours.state_dict()
+    assert list(sd_ref) == list(sd_ours), (list(sd_ref), list(sd_ours))
+    for k in sd_ref:
+        assert torch.equal(sd_ref[k], sd_ours[k]), k
+    # Keys are the plain model's: it loads strictly and computes the same output.
+    plain = copy.deepcopy(base)
+    plain.load_state_dict(sd_ours, strict=True)
+    x = batch(model_name, rank, 99)
+    assert torch.equal(plain(x), ours(x))
+    # The state dict is a copy: training on does not change it.
+    before = {k: v.clone() for k, v in sd_ours.items()}
+    _train_step(ours, opts[1], model_name, rank, 5)
+    assert all(torch.equal(before[k], v) for k, v in sd_ours.items())
+    # Loading writes back into the shards: the model is back to the saved point.
+    ours.load_state_dict(sd_ours)
+    assert torch.equal(plain(x), ours(x))
+    return len(sd_ours)
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+def test_full_state_dict_matches_torch_and_loads_into_plain_model(ranks, world_size, strategy, use_orig_params, model_name):
+    ranks.run(world_size, _full_state_dict_parity, model_name, strategy, use_orig_params)
+
+
+def _summon(rank, world_size, use_orig_params):
+    _, ref, ours = _pair("mlp", "FULL_SHARD", use_orig_params)
+    for m in (ref, ours):
+        m(batch("mlp", rank, 0)).sum().backward()
+    kw = dict(with_grads=True) if use_orig_params else {}
+    with tfsdp.FullyShardedDataParallel.summon_full_params(ref, **kw), zs.FSDP.summon_full_params(ours, **kw):
+        named_ref = [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in ref.named_parameters()]
+        named_ours = [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in ours.named_parameters()]
+        assert [n for n, _ in named_ref] == [n for n, _ in named_ours]
+        for (n, a), (_, b) in zip(named_ref, named_ours):
+            assert a.shape == b.shape and torch.equal(a, b), n
+            if use_orig_params:
+                assert torch.equal(a.grad, b.grad), n
+        with torch.no_grad():  # writeback: edits inside persist
+            for _, p in named_ours:
+                p.mul_(2.0)
+    with zs.FSDP.summon_full_params(ours, writeback=False), tfsdp.FullyShardedDataParallel.summon_full_params(ref):
+        for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
+            assert torch.equal(2.0 * a, b), n
+        with torch.no_grad():  # no writeback: edits are dropped
+            for p in ours.parameters():
+                p.zero_()
+    with zs.FSDP.summon_full_params(ours):
+        assert all(p.abs().sum() > 0 for p in ours.parameters())
+    units = [m for m in ours.modules() if isinstance(m, zs.FSDP)]
+    assert all(u._handle.padded.untyped_storage().size() == 0 for u in units)
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_summon_full_params_matches_torch(ranks, use_orig_params):
+    ranks.run(2, _summon, use_orig_params)
+
+
+def _summon_inside_forward(rank, world_size):
+    model = zs.FSDP(build("mlp"), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    inner = model.blocks[0]
+    inner.module.register_forward_pre_hook(lambda *a: zs.FSDP.summon_full_params(inner).__enter__())
+    try:
+        model(batch("mlp", rank, 0))
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_summon_inside_forward_is_refused(ranks):
+    for msg in ranks.run(2, _summon_inside_forward):
+        assert msg and "summon_full_params" in msg and "outside forward" in msg
+
+
+def _local_save(rank, world_size, path):
+    torch.manual_seed(0)
+    model = zs.FSDP(build("mlp"), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    _train_step(model, opt, "mlp", rank, 0)
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.LOCAL_STATE_DICT):
+        sd = model.state_dict()
+        assert all(k.endswith("_flat_param") for k in sd)
+        torch.save(sd, os.path.join(path, f"local{rank}.pt"))
+        expected = model(batch("mlp", rank, 1))
+        _train_step(model, opt, "mlp", rank, 1)
+        assert not torch.equal(expected, model(batch("mlp", rank, 1)))
+        model.load_state_dict(torch.load(os.path.join(path, f"local{rank}.pt")))
+        assert torch.equal(expected, model(batch("mlp", rank, 1)))
+    return True
+
+
+def _local_load_other_world(rank, world_size, path):
+    model = zs.FSDP(build("mlp"), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.LOCAL_STATE_DICT):
+        try:  # rank 2 has no file of its own: it tries rank 0's
+            model.load_state_dict(torch.load(os.path.join(path, f"local{rank % 2}.pt")))
+        except ValueError as e:
+            return str(e)
+    return None
+
+
+def test_local_state_dict_round_trip_and_world_size_check(ranks, tmp_path):
+    ranks.run(2, _local_save, str(tmp_path))
+    for msg in ranks.run(3, _local_load_other_world, str(tmp_path)):
+        assert msg and "world size" in msg and "Fix" in msg

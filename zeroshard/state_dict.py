@@ -1,0 +1,192 @@
+"""Seeing and saving the model whole although each rank holds 1/N of it.
+
+* ``summon_full_params``: all-gather every unit and register the full tensors
+  under their original names (as ``nn.Parameter``s) for the duration of a
+  block; with ``writeback`` the changes made inside are copied back into the
+  shards on exit.
+* FULL_STATE_DICT (the default): ``state_dict()`` gathers, clones the full
+  parameters and strips the wrapper prefixes, so the keys are the plain
+  model's and a non-FSDP model loads it with ``strict=True``;
+  ``load_state_dict()`` copies a full state dict into the gathered parameters
+  and writes it back into the shards.
+* LOCAL_STATE_DICT: each rank's flat shards as they are (``..._flat_param``
+  keys), for restarting at the same world size; loading checks the shard sizes.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from . import ext
+from .handle import HandleState
+from .options import FullStateDictConfig, LocalStateDictConfig, StateDictType
+
+WRAPPED_PREFIX = "_fsdp_wrapped_module."
+FLAT_PARAM = "_flat_param"
+
+_passthrough = [0]  # >0 while nn.Module's own (un-FSDP'd) state_dict traversal runs
+
+
+@contextlib.contextmanager
+def plain_module_behaviour():
+    """Inside, FSDP units' state_dict() is nn.Module's (needed because
+    nn.Module.state_dict calls each child's state_dict())."""
+    _passthrough[0] += 1
+    try:
+        yield
+    finally:
+        _passthrough[0] -= 1
+
+
+def passthrough_active() -> bool:
+    return _passthrough[0] > 0
+
+
+def clean_key(key: str) -> str:
+    return key.replace(WRAPPED_PREFIX, "")
+
+
+def units_of(module: nn.Module, recurse: bool = True):
+    from_tree = [m for m in module.modules() if hasattr(m, "_handle") and hasattr(m, "_fsdp_wrapped_module")]
+    return from_tree if recurse else from_tree[:1]
+
+
+@contextlib.contextmanager
+def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False):
+    if rank0_only and writeback:
+        raise ValueError("zeroshard: summon_full_params(rank0_only=True, writeback=True) is not supported (torch FSDP forbids it too): "
+                         "other ranks would write back parameters they never saw. Fix: pass writeback=False.")
+    units = units_of(module, recurse)
+    if with_grads and any(u._handle is not None and not u._handle.use_orig_params for u in units):
+        raise ValueError("zeroshard: summon_full_params(with_grads=True) needs use_orig_params=True (as in torch FSDP).")
+    if offload_to_cpu and any(u.compute_device.type != "cpu" for u in units):
+        raise ValueError("zeroshard: summon_full_params(offload_to_cpu=True) on a GPU module is not supported yet. Fix: leave offload_to_cpu=False.")
+    handles = [u._handle for u in units if u._handle is not None]
+    for h in handles:
+        if h.state != HandleState.IDLE:
+            raise RuntimeError(f"zeroshard: summon_full_params called while unit '{h.unit_name}' is in {h.state.name.lower()}; "
+                               "it can only run between training steps. Fix: call it outside forward/backward.")
+    undo = []
+    with torch.no_grad():
+        try:
+            for h in handles:
+                undo.append((h, h.enter_full_params(writeback, with_grads)))
+            rank = handles[0].rank if handles else 0
+            if rank0_only and rank != 0:  # gathered with everyone (a collective), then dropped
+                while undo:
+                    h, u = undo.pop()
+                    h.exit_full_params(False, u)
+            yield
+        finally:
+            while undo:
+                h, u = undo.pop()
+                h.exit_full_params(writeback, u)
+
+
+# ------------------------------------------------------------------ state dicts
+def _unit_flat_keys(root, prefix: str) -> dict[str, object]:
+    keys = {}
+    for name, m in root.named_modules():
+        if hasattr(m, "_fsdp_wrapped_module") and getattr(m, "_handle", None) is not None:
+            keys[f"{prefix}{name + '.' if name else ''}{WRAPPED_PREFIX}{FLAT_PARAM}"] = m._handle
+    return keys
+
+
+def _full_param_copies(root) -> dict[int, torch.Tensor]:
+    """id(registered full parameter) -> an independent copy, one batched
+    unflatten per unit (the C++ extension when built) instead of a clone each."""
+    copies = {}
+    for u in units_of(root):
+        h = u._handle
+        if h is None:
+            continue
+        infos = h.layout.params
+        params = [info.module._parameters[info.name] for info in infos]
+        outs = ext.unflatten(h.flat_param.detach(), [i.offset for i in infos], [i.shape for i in infos])
+        copies.update(zip(map(id, params), outs))
+    return copies
+
+
+def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
+    kind, config = root._state_dict_type, root._state_dict_config
+    if kind == StateDictType.FULL_STATE_DICT:
+        rank0_only = isinstance(config, FullStateDictConfig) and config.rank0_only
+        with summon_full_params(root, writeback=False, rank0_only=rank0_only):
+            if rank0_only and root.rank != 0:
+                return {}
+            with plain_module_behaviour():
+                raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
+            copies = _full_param_copies(root)
+            return {clean_key(k): copies.get(id(v), v if keep_vars else v.detach()) for k, v in raw.items()}
+    if kind == StateDictType.LOCAL_STATE_DICT:
+        with plain_module_behaviour():
+            raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
+        owned = {id(p) for u in units_of(root) if u._handle is not None for p in u._handle.orig_params}
+        out = {k: v if keep_vars else v.detach() for k, v in raw.items() if id(v) not in owned}
+        for key, h in _unit_flat_keys(root, prefix).items():
+            out[key] = h.flat_param if keep_vars else h.flat_param.detach()
+        return out
+    raise ValueError(f"zeroshard: state_dict type {kind.name} is not supported yet. Fix: use FULL_STATE_DICT or LOCAL_STATE_DICT.")
+
+
+def load(root, state_dict, strict: bool = True):
+    kind = root._state_dict_type
+    if kind == StateDictType.FULL_STATE_DICT:
+        with summon_full_params(root, writeback=True):
+            with plain_module_behaviour():
+                actual = {clean_key(k): k for k in nn.Module.state_dict(root, keep_vars=True)}
+            result = nn.Module.load_state_dict(root, {actual.get(k, k): v for k, v in state_dict.items()}, strict=strict)
+        return type(result)([clean_key(k) for k in result.missing_keys], [clean_key(k) for k in result.unexpected_keys])
+    if kind == StateDictType.LOCAL_STATE_DICT:
+        flat_keys = _unit_flat_keys(root, "")
+        for key, h in flat_keys.items():
+            if key not in state_dict:
+                if strict:
+                    raise RuntimeError(f"zeroshard: LOCAL state dict has no '{key}' (unit '{h.unit_name}').")
+                continue
+            value = state_dict[key]
+            if tuple(value.shape) != tuple(h.local_shard.shape):
+                raise ValueError(
+                    f"zeroshard: LOCAL state dict entry '{key}' has shape {tuple(value.shape)} but this rank's shard of unit "
+                    f"'{h.unit_name}' has {tuple(h.local_shard.shape)} (saved at another world size or from another model? "
+                    f"this run has world size {h.world_size}). Fix: load LOCAL state dicts at the world size they were saved "
+                    "with, or save a FULL_STATE_DICT to change world size."
+                )
+            with torch.no_grad():
+                h.local_shard.copy_(value)
+            if h.sharded:
+                h.reshard(free=True)  # a gathered copy kept since the last forward is stale now
+        rest = {k: v for k, v in state_dict.items() if k not in flat_keys}
+        result = nn.Module.load_state_dict(root, rest, strict=False)
+        owned = {id(p) for u in units_of(root) if u._handle is not None for p in u._handle.orig_params}
+        with plain_module_behaviour():
+            expected = {k for k, v in nn.Module.state_dict(root, keep_vars=True).items() if id(v) not in owned and not k.endswith(FLAT_PARAM)}
+        missing = sorted(expected - set(rest))
+        unexpected = [k for k in result.unexpected_keys]
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"zeroshard: LOCAL state dict mismatch: missing {missing}, unexpected {unexpected}.")
+        return type(result)(missing, unexpected)
+    raise ValueError(f"zeroshard: load_state_dict for {kind.name} is not supported yet. Fix: use FULL_STATE_DICT or LOCAL_STATE_DICT.")
+
+
+@contextlib.contextmanager
+def state_dict_type(module, kind: StateDictType, config=None):
+    previous = set_state_dict_type(module, kind, config)
+    try:
+        yield
+    finally:
+        for u, (k, c) in previous.items():
+            u._state_dict_type, u._state_dict_config = k, c
+
+
+def set_state_dict_type(module, kind: StateDictType, config=None):
+    default = {StateDictType.FULL_STATE_DICT: FullStateDictConfig, StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig}
+    if config is None and kind in default:
+        config = default[kind]()
+    previous = {}
+    for u in units_of(module):
+        previous[u] = (u._state_dict_type, u._state_dict_config)
+        u._state_dict_type, u._state_dict_config = kind, config
+    return previous
