@@ -22,7 +22,7 @@ from models import Block, TransformerBlock, batch, build
 DEFAULTS = dict(
     model="mlp", strategy="FULL_SHARD", use_orig_params=False, backward_prefetch="BACKWARD_PRE",
     forward_prefetch=False, limit_all_gathers=True, policy="module", steps=3, accum=2, clip=0.05,
-    no_sync=False, lr=1e-2, min_num_params=100, model_kwargs={},
+    no_sync=False, lr=1e-2, min_num_params=100, model_kwargs={}, mp=None,
 )
 
 
@@ -50,6 +50,9 @@ def _wrap(engine, model, case):
         cls, lib, enums, extra = tfsdp.FullyShardedDataParallel, twrap, tfsdp, {"device_id": torch.device("cpu")}
     else:
         cls, lib, enums, extra = zs.FullyShardedDataParallel, zs.wrap, zs, {}
+    mp = case["mp"]
+    if mp is not None:
+        extra["mixed_precision"] = enums.MixedPrecision(**{k: getattr(torch, v) if isinstance(v, str) else v for k, v in mp.items()})
     kw = dict(
         sharding_strategy=getattr(enums.ShardingStrategy, case["strategy"]),
         use_orig_params=case["use_orig_params"],

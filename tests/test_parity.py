@@ -62,3 +62,28 @@ def test_random_mlp_trains_bit_identically(ranks, dims, world_size, policy, min_
         min_num_params=min_num_params, strategy=strategy, use_orig_params=use_orig_params,
         backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch, steps=2,
     ))
+
+
+MIXED = [
+    dict(param_dtype="bfloat16"),
+    dict(param_dtype="bfloat16", reduce_dtype="float32", buffer_dtype="bfloat16"),
+    dict(param_dtype="float16", reduce_dtype="float16", buffer_dtype="float16", cast_forward_inputs=True),
+    dict(reduce_dtype="bfloat16"),
+]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_mixed_precision(ranks, world_size, strategy, use_orig_params):
+    """bf16/fp16 all-gather and compute, reductions in reduce_dtype, fp32
+    master shards: still bit-identical, since both engines round the same
+    values at the same points."""
+    for mp in MIXED:
+        ranks.run(world_size, run_case, dict(strategy=strategy, use_orig_params=use_orig_params, mp=mp))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_mixed_precision_transformer_no_sync(ranks, use_orig_params):
+    ranks.run(2, run_case, dict(model="gpt", policy="transformer", use_orig_params=use_orig_params, no_sync=True,
+                                mp=dict(param_dtype="bfloat16", reduce_dtype="float32")))

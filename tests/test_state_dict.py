@@ -17,14 +17,17 @@ import zeroshard as zs
 from models import Block, TransformerBlock, batch, build
 
 
-def _pair(model_name, strategy, use_orig_params):
+def _pair(model_name, strategy, use_orig_params, bf16=False):
     base = build(model_name)
-    kw = dict(sharding_strategy=getattr(zs.ShardingStrategy, strategy), use_orig_params=use_orig_params)
+    mp = dict(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16) if bf16 else None
+    kw = dict(sharding_strategy=getattr(zs.ShardingStrategy, strategy), use_orig_params=use_orig_params,
+              mixed_precision=zs.MixedPrecision(**mp) if mp else None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ref = tfsdp.FullyShardedDataParallel(
             copy.deepcopy(base), device_id=torch.device("cpu"), auto_wrap_policy=TorchModuleWrapPolicy({Block, TransformerBlock}),
-            sharding_strategy=getattr(tfsdp.ShardingStrategy, strategy), use_orig_params=use_orig_params)
+            sharding_strategy=getattr(tfsdp.ShardingStrategy, strategy), use_orig_params=use_orig_params,
+            mixed_precision=tfsdp.MixedPrecision(**mp) if mp else None)
     ours = zs.FSDP(copy.deepcopy(base), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block, TransformerBlock}), **kw)
     return base, ref, ours
 
@@ -35,8 +38,8 @@ def _train_step(model, opt, model_name, rank, step):
     opt.zero_grad()
 
 
-def _full_state_dict_parity(rank, world_size, model_name, strategy, use_orig_params):
-    base, ref, ours = _pair(model_name, strategy, use_orig_params)
+def _full_state_dict_parity(rank, world_size, model_name, strategy, use_orig_params, bf16=False):
+    base, ref, ours = _pair(model_name, strategy, use_orig_params, bf16)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours)]
     for step in range(2):
         for m, o in zip((ref, ours), opts):
@@ -44,7 +47,9 @@ def _full_state_dict_parity(rank, world_size, model_name, strategy, use_orig_par
     sd_ref, sd_ours = ref.state_dict(), ours.state_dict()
     assert list(sd_ref) == list(sd_ours), (list(sd_ref), list(sd_ours))
     for k in sd_ref:
-        assert torch.equal(sd_ref[k], sd_ours[k]), k
+        assert sd_ref[k].dtype == sd_ours[k].dtype and torch.equal(sd_ref[k], sd_ours[k]), k
+    if bf16:  # full precision values (and buffer dtypes) were saved; that is all to check
+        return len(sd_ours)
     # Keys are the plain model's: it loads strictly and computes the same output.
     plain = copy.deepcopy(base)
     plain.load_state_dict(sd_ours, strict=True)
@@ -66,6 +71,12 @@ def _full_state_dict_parity(rank, world_size, model_name, strategy, use_orig_par
 @pytest.mark.parametrize("model_name", ["mlp", "gpt"])
 def test_full_state_dict_matches_torch_and_loads_into_plain_model(ranks, world_size, strategy, use_orig_params, model_name):
     ranks.run(world_size, _full_state_dict_parity, model_name, strategy, use_orig_params)
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_full_state_dict_under_mixed_precision(ranks, strategy, use_orig_params):
+    ranks.run(2, _full_state_dict_parity, "mlp", strategy, use_orig_params, True)
 
 
 def _summon(rank, world_size, use_orig_params):
@@ -125,7 +136,8 @@ def _local_save(rank, world_size, path):
     _train_step(model, opt, "mlp", rank, 0)
     with zs.FSDP.state_dict_type(model, zs.StateDictType.LOCAL_STATE_DICT):
         sd = model.state_dict()
-        assert all(k.endswith("_flat_param") for k in sd)
+        assert sum(k.endswith("_flat_param") for k in sd) == 4  # root + 3 blocks
+        assert {k for k in sd if not k.endswith("_flat_param")} == {"_fsdp_wrapped_module.scale"}
         torch.save(sd, os.path.join(path, f"local{rank}.pt"))
         expected = model(batch("mlp", rank, 1))
         _train_step(model, opt, "mlp", rank, 1)

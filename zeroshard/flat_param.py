@@ -13,7 +13,7 @@ shards, gradients and optimizer states line up element for element:
   multiple of the world size, because the original parameters become views
   into the buffer and the optimizer must be able to step them in place.
 * With ``use_orig_params=False`` there is no alignment padding; only the last
-  shard is padded (see :meth:`FlatLayout.shard_bounds`).
+  shard is padded (see :class:`FlatLayout`).
 
 Rank r keeps the r-th contiguous chunk of ``ceil(numel / N)`` elements.
 """

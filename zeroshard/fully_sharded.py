@@ -81,6 +81,7 @@ class FullyShardedDataParallel(nn.Module):
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
         self.use_orig_params = use_orig_params
+        self.mixed_precision = mixed_precision or MixedPrecision()
         self.compute_device = _compute_device(module, device_id, process_group)
         ignored = {m for root in (ignored_modules or ()) for m in root.modules()}
         if auto_wrap_policy is not None:
@@ -88,6 +89,7 @@ class FullyShardedDataParallel(nn.Module):
                 process_group=process_group, sharding_strategy=strategy, backward_prefetch=backward_prefetch,
                 forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
                 use_orig_params=use_orig_params, device_id=device_id, ignored_modules=ignored_modules,
+                mixed_precision=mixed_precision,
             )
             auto_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(m, **unit_kwargs), ignored, _is_unit)
         self._fsdp_wrapped_module = module
@@ -100,6 +102,7 @@ class FullyShardedDataParallel(nn.Module):
             self._handle = FlatParamHandle(
                 entries, aliases, group=process_group, strategy=strategy,
                 use_orig_params=use_orig_params, unit_name=type(module).__name__,
+                param_dtype=self.mixed_precision.param_dtype, reduce_dtype=self.mixed_precision.reduce_dtype,
             )
             flat = self._handle.flat_param
             self._handle.flat_param_host = module
@@ -131,6 +134,7 @@ class FullyShardedDataParallel(nn.Module):
                 )
             s._is_root = False
         self._is_root = True
+        _cast_buffers(states)
         runtime = hooks.RootRuntime(states)
         for s in states:
             s._runtime = runtime
@@ -139,10 +143,15 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._lazy_init()
+        mp = self.mixed_precision
         if self._is_root:
             hooks.root_pre_forward(self)
             if self.compute_device.type != "cpu":
                 args, kwargs = _to_device((args, kwargs), self.compute_device)
+            if mp.param_dtype is not None and mp.cast_root_forward_inputs:
+                args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+        if mp.param_dtype is not None and mp.cast_forward_inputs:
+            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
         hooks.pre_forward(self)
         output = self._fsdp_wrapped_module(*args, **kwargs)
         return hooks.post_forward(self, output)
@@ -265,6 +274,31 @@ def _compute_device(module: nn.Module, device_id, group) -> torch.device:
     return device
 
 
+def _cast_buffers(states):
+    """Cast floating buffers to their unit's ``buffer_dtype`` (innermost unit
+    wins), remembering the original dtype for state dicts."""
+    seen = set()
+    for s in reversed(states):
+        dtype = s.mixed_precision.buffer_dtype
+        for buf in s.buffers():
+            if id(buf) in seen:
+                continue
+            seen.add(id(buf))
+            if dtype is not None and torch.is_floating_point(buf) and buf.dtype != dtype:
+                buf._zeroshard_orig_dtype = buf.dtype
+                buf.data = buf.to(dtype)
+
+
+def _cast_floats(obj, dtype):
+    if torch.is_tensor(obj):
+        return obj.to(dtype) if torch.is_floating_point(obj) else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast_floats(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+    return obj
+
+
 def _to_device(obj, device):
     if torch.is_tensor(obj):
         return obj.to(device, non_blocking=True)
@@ -279,7 +313,7 @@ def _reject_unsupported(strategy, cpu_offload, mixed_precision, param_init_fn, s
     unsupported = {
         "sharding_strategy": strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2),
         "cpu_offload": cpu_offload is not None and cpu_offload.offload_params,
-        "mixed_precision": mixed_precision is not None,
+        "mixed_precision.keep_low_precision_grads": mixed_precision is not None and mixed_precision.keep_low_precision_grads,
         "param_init_fn": param_init_fn is not None,
         "sync_module_states": bool(sync_module_states),
         "ignored_states": ignored_states is not None,
@@ -289,7 +323,7 @@ def _reject_unsupported(strategy, cpu_offload, mixed_precision, param_init_fn, s
         if bad:
             raise ValueError(
                 f"zeroshard: FullyShardedDataParallel({type(module).__name__}): {name}= is not supported yet "
-                f"(hybrid sharding, CPU offload, mixed precision and meta-device init are planned). Fix: leave {name} at its default."
+                f"(hybrid sharding, CPU offload and meta-device init are planned). Fix: leave {name} at its default."
             )
 
 

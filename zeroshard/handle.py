@@ -76,7 +76,8 @@ unsharded_tracker = LiveUnshardedTracker()
 class FlatParamHandle:
     """Owns one unit's FlatParameter, its shard, and its padded unsharded buffer."""
 
-    def __init__(self, entries, aliases, *, group, strategy: ShardingStrategy, use_orig_params: bool, unit_name: str):
+    def __init__(self, entries, aliases, *, group, strategy: ShardingStrategy, use_orig_params: bool, unit_name: str,
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
         self.group = group
         self.world_size = group.size()
         self.rank = group.rank()
@@ -86,10 +87,15 @@ class FlatParamHandle:
         self.unit_name = unit_name
         params = [e[3] for e in entries]
         _check_uniform(entries, use_orig_params, unit_name)
-        dtype = params[0].dtype
-        # Aligning each parameter to 16 bytes keeps the views handed to the
-        # optimizer (use_orig_params=True) aligned; torch FSDP1 does the same.
-        align = 16 // dtype.itemsize if use_orig_params else 0
+        self.dtype = dtype = params[0].dtype
+        # Mixed precision: the shard (the optimizer's master copy) keeps its
+        # dtype; all-gather, forward and backward run in compute_dtype and the
+        # gradient is reduced in reduce_dtype (param_dtype if only it is given).
+        self.compute_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or param_dtype or dtype
+        # Aligning each parameter to 16 bytes (of the compute dtype) keeps the
+        # views handed to the optimizer and kernels aligned; torch FSDP1 does too.
+        align = 16 // self.compute_dtype.itemsize if use_orig_params else 0
         self.layout: FlatLayout = build_layout(entries, aliases, self.world_size, self.rank, align)
         flat = flatten_params(self.layout, params)
         self.local_shard = shard_of(flat, self.layout) if self.sharded else flat
@@ -97,10 +103,14 @@ class FlatParamHandle:
         requires_grad = any(p.requires_grad for p in params)
         self.flat_param = FlatParameter(self.local_shard, requires_grad=requires_grad)
         self.flat_param._fqns = self.layout.fqns  # noqa: SLF001 (for readers/debuggers)
-        self.padded = self.local_shard.new_empty(self.layout.padded_numel if self.sharded else 0)
-        if self.sharded:
-            self.padded.untyped_storage().resize_(0)
-        self.padded_bytes = self.layout.padded_numel * self.local_shard.element_size()
+        # The full buffers (compute dtype, and the shard's dtype for
+        # summon_full_params under mixed precision), created with no storage.
+        self._full_buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.padded = self._full_buffer(self.compute_dtype) if self.sharded else None
+        self.padded_bytes = self.layout.padded_numel * self.compute_dtype.itemsize
+        # NO_SHARD in the shard's dtype computes on the shard itself: nothing to gather.
+        self.always_full = not self.sharded and self.compute_dtype == dtype
+        self._full: torch.Tensor | None = self.local_shard if self.always_full else None
         self.orig_params: list[nn.Parameter] = params if use_orig_params else []
         for p in params:
             p._zeroshard_unit = unit_name  # marks it as owned; see wrap checks
@@ -108,7 +118,7 @@ class FlatParamHandle:
         self.is_root = False
         self.state = HandleState.IDLE
         self._gather_work = None
-        self.unsharded = not self.sharded
+        self.unsharded = self.always_full
         self.prefetched = False
         self.needs_pre_forward_unshard = False
         self.needs_pre_backward_unshard = False
@@ -122,27 +132,43 @@ class FlatParamHandle:
         else:
             for info in (*self.layout.params, *self.layout.shared):
                 del info.module._parameters[info.name]
-            if not self.sharded:
+            if self.always_full:
                 self.use_unsharded_views()
 
+    def _full_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._full_buffers:
+            buf = self.local_shard.new_empty(self.layout.padded_numel, dtype=dtype)
+            buf.untyped_storage().resize_(0)
+            self._full_buffers[dtype] = buf
+        return self._full_buffers[dtype]
+
     # ------------------------------------------------------------------ unshard
-    def unshard(self):
-        """Issue the all-gather (asynchronously); :meth:`wait_unshard` completes it."""
+    def unshard(self, full_precision: bool = False):
+        """Issue the all-gather (asynchronously); :meth:`wait_unshard` completes it.
+
+        ``full_precision`` gathers in the shard's dtype even under mixed precision.
+        """
         if self.unsharded:
             return
-        self.padded.untyped_storage().resize_(self.padded_bytes)
-        self._gather_work = comm.all_gather(self.padded, self.local_shard, self.group)
+        dtype = self.dtype if full_precision else self.compute_dtype
+        # Casting the shard before the all-gather halves its bytes under bf16/fp16.
+        src = self.local_shard if dtype == self.dtype else self.local_shard.to(dtype)
+        if self.sharded:
+            self._full = self._full_buffer(dtype)
+            self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
+            self._gather_work = comm.all_gather(self._full, src, self.group)
+        else:
+            self._full = src
         self.unsharded = True
         unsharded_tracker.add(self)
 
-    def wait_unshard(self):
+    def wait_unshard(self, full_precision: bool = False):
         """Finish the all-gather and point the parameters at the full tensors."""
-        self.unshard()
+        self.unshard(full_precision)
         if self._gather_work is not None:
             self._gather_work.wait()
             self._gather_work = None
-        if self.sharded:
-            self.flat_param.data = self.padded[: self.layout.numel]
+        self.flat_param.data = self._full[: self.layout.numel]
         self.use_unsharded_views()
 
     def use_unsharded_views(self):
@@ -162,15 +188,18 @@ class FlatParamHandle:
     # ------------------------------------------------------------------ reshard
     def reshard(self, free: bool):
         """Point back at the local shard; with ``free``, release the full buffer."""
-        if self.sharded:
-            self.flat_param.data = self.local_shard
-            if free and self.unsharded:
-                if self._gather_work is not None:  # a prefetch nobody consumed
-                    self._gather_work.wait()
-                    self._gather_work = None
-                self.padded.untyped_storage().resize_(0)
-                self.unsharded = False
-                unsharded_tracker.remove(self)
+        self.flat_param.data = self.local_shard
+        # A NO_SHARD low-precision copy is dropped at every reshard: the next
+        # use re-casts the (possibly updated) shard.
+        if (free or not self.sharded) and self.unsharded and not self.always_full:
+            if self._gather_work is not None:  # a prefetch nobody consumed
+                self._gather_work.wait()
+                self._gather_work = None
+            if self.sharded:
+                self._full.untyped_storage().resize_(0)
+            self._full = None
+            self.unsharded = False
+            unsharded_tracker.remove(self)
         if self.use_orig_params:
             self.use_sharded_views()
         self.prefetched = False
@@ -197,9 +226,11 @@ class FlatParamHandle:
         """Gather the full parameters and register them under their original
         names as ``nn.Parameter``s (for summon_full_params / state dicts).
         Returns what :meth:`exit_full_params` needs to undo it."""
+        if self.unsharded and self._full.dtype != self.dtype:
+            self.reshard(free=True)  # gathered in low precision for compute
         undo = {"was_unsharded": self.unsharded, "backup": None}
-        if self.sharded:
-            self.wait_unshard()
+        if not self.always_full:
+            self.wait_unshard(full_precision=True)
         elif not writeback:
             undo["backup"] = self.flat_param.detach().clone()
         flat = self.flat_param.detach()
@@ -234,14 +265,14 @@ class FlatParamHandle:
     def exit_full_params(self, writeback: bool, undo: dict):
         if self.sharded and writeback:
             start = self.rank * self.layout.shard_numel
-            self.local_shard.copy_(self.padded[start : start + self.layout.shard_numel])
+            self.local_shard.copy_(self._full[start : start + self.layout.shard_numel])
         if undo["backup"] is not None:
             self.flat_param.data.copy_(undo["backup"])
         if not self.use_orig_params:
             for info in (*self.layout.params, *self.layout.shared):
                 info.module._parameters.pop(info.name, None)
             self.flat_param_host._parameters["_flat_param"] = self.flat_param
-            if not self.sharded:
+            if self.always_full:
                 self.use_unsharded_views()
         self.reshard(free=not undo["was_unsharded"])
         if self.use_orig_params:

@@ -10,6 +10,10 @@ FSDP1's factors, so that fp32 results match it bit for bit and low-precision
 sums stay in range: pre starts at 1 and doubles while N is divisible by it
 and N / pre > pre (2 for N = 2, 3, 4; 4 for N = 6 to 16), post = N / pre.
 
+Under mixed precision the gradient is cast to ``reduce_dtype`` before the
+pre-division and the reduced shard back to the parameter dtype before it is
+accumulated, as torch FSDP1 does.
+
 The collectives are asynchronous: backward keeps computing the next unit while
 gloo/NCCL reduces this one; the root's end-of-backward callback waits for all
 of them (:func:`finish_reductions`).
@@ -45,6 +49,11 @@ class PendingReduction:
         self.inp = None  # the send buffer may be freed now
         _div(self.out, self.post)
         h = self.handle
+        if self.out.dtype != h.dtype:  # reduced in low precision: back to the master dtype
+            if h.sharded:
+                self.out = self.out.to(h.dtype)
+            else:
+                h.flat_param.grad.data = self.out.to(h.dtype)
         if h.sharded:
             if h.saved_grad_shard is None:
                 h.saved_grad_shard = self.out
@@ -56,6 +65,8 @@ def start_reduction(handle) -> PendingReduction:
     """Launch the reduction of ``handle.flat_param.grad`` (the local unsharded gradient)."""
     flat = handle.flat_param
     pre, post = divide_factors(handle.world_size)
+    if flat.grad.dtype != handle.reduce_dtype:
+        flat.grad.data = flat.grad.data.to(handle.reduce_dtype)
     if not handle.sharded:
         grad = flat.grad  # stays in .grad; all-reduced in place
         _div(grad, pre)

@@ -109,6 +109,14 @@ def _full_param_copies(root) -> dict[int, torch.Tensor]:
     return copies
 
 
+def _buffer_value(v, keep_vars: bool):
+    # Buffers cast for mixed precision are saved in their original dtype.
+    orig = getattr(v, "_zeroshard_orig_dtype", None)
+    if orig is not None:
+        return v.detach().to(orig)
+    return v if keep_vars else v.detach()
+
+
 def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     kind, config = root._state_dict_type, root._state_dict_config
     if kind == StateDictType.FULL_STATE_DICT:
@@ -119,7 +127,7 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
             with plain_module_behaviour():
                 raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
             copies = _full_param_copies(root)
-            return {clean_key(k): copies.get(id(v), v if keep_vars else v.detach()) for k, v in raw.items()}
+            return {clean_key(k): copies.get(id(v)) if id(v) in copies else _buffer_value(v, keep_vars) for k, v in raw.items()}
     if kind == StateDictType.LOCAL_STATE_DICT:
         with plain_module_behaviour():
             raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
