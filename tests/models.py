@@ -32,6 +32,10 @@ class MLP(nn.Module):
             x = b(x)
         return self.out(x) * self.scale
 
+    def reset_parameters(self):  # its own state only (the buffer): meta-device init calls it
+        with torch.no_grad():
+            self.scale.copy_(torch.linspace(0.5, 1.5, self.scale.numel()))
+
 
 class Attention(nn.Module):
     def __init__(self, d: int, heads: int):

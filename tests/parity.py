@@ -22,7 +22,7 @@ from models import Block, TransformerBlock, batch, build
 DEFAULTS = dict(
     model="mlp", strategy="FULL_SHARD", use_orig_params=False, backward_prefetch="BACKWARD_PRE",
     forward_prefetch=False, limit_all_gathers=True, policy="module", steps=3, accum=2, clip=0.05,
-    no_sync=False, lr=1e-2, min_num_params=100, model_kwargs={}, mp=None,
+    no_sync=False, lr=1e-2, min_num_params=100, model_kwargs={}, mp=None, hybrid=None,
 )
 
 
@@ -45,11 +45,37 @@ def _policy(lib, case):
     return None
 
 
+_GROUPS = {}
+
+
+def _hybrid_groups(engine, how):
+    """2 x 2 ranks: shard within {0,1} and {2,3}, replicate across {0,2} and {1,3}."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if engine == "zeroshard" and how == "group_size":
+        return {"fsdp_group_size": 2}
+    if how == "mesh":
+        if "mesh" not in _GROUPS:
+            _GROUPS["mesh"] = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        return {"device_mesh": _GROUPS["mesh"]}
+    if "tuple" not in _GROUPS:
+        rank, made = dist.get_rank(), {}
+        for ranks in ([0, 1], [2, 3], [0, 2], [1, 3]):
+            made[tuple(ranks)] = dist.new_group(ranks)
+        shard = made[(0, 1)] if rank < 2 else made[(2, 3)]
+        replicate = made[(0, 2)] if rank % 2 == 0 else made[(1, 3)]
+        _GROUPS["tuple"] = (shard, replicate)
+    return {"process_group": _GROUPS["tuple"]}
+
+
 def _wrap(engine, model, case):
     if engine == "torch":
         cls, lib, enums, extra = tfsdp.FullyShardedDataParallel, twrap, tfsdp, {"device_id": torch.device("cpu")}
     else:
         cls, lib, enums, extra = zs.FullyShardedDataParallel, zs.wrap, zs, {}
+    if case["hybrid"] is not None:  # "tuple" | "mesh" | "group_size" (zeroshard only; torch gets the tuple)
+        extra.update(_hybrid_groups(engine, case["hybrid"]))
     mp = case["mp"]
     if mp is not None:
         extra["mixed_precision"] = enums.MixedPrecision(**{k: getattr(torch, v) if isinstance(v, str) else v for k, v in mp.items()})

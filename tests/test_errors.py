@@ -49,9 +49,15 @@ def _auto_wrap_over_units():
     zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
 
 
+class NoReset(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+
+
 def _meta_module():
     with torch.device("meta"):
-        model = MLP()
+        model = NoReset()
     zs.FSDP(model)
 
 
@@ -64,6 +70,10 @@ def _no_sync_inner():
         pass
 
 
+def _hybrid_without_groups():
+    zs.FSDP(MLP(), sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD)
+
+
 def _unsupported(option):
     zs.FSDP(MLP(), **option)
 
@@ -74,15 +84,13 @@ CASES = {
     "mixed_requires_grad": (_mixed_requires_grad, ValueError, ["b.weight", "use_orig_params=True"]),
     "shared_across_units": (_shared_across_units, ValueError, ["tok.weight", "shared across two units", "Fix"]),
     "auto_wrap_over_units": (_auto_wrap_over_units, ValueError, ["already an FSDP unit", "Fix"]),
-    "meta": (_meta_module, ValueError, ["meta", "Fix"]),
+    "meta_without_reset_parameters": (_meta_module, ValueError, ["reset_parameters()", "param_init_fn", "Fix"]),
     "no_sync_inner": (_no_sync_inner, RuntimeError, ["no_sync()", "root"]),
+    "hybrid_without_groups": (_hybrid_without_groups, ValueError, ["HYBRID_SHARD", "fsdp_group_size", "Fix"]),
 }
 UNSUPPORTED = {
     "mixed_precision.keep_low_precision_grads": dict(mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)),
-    "cpu_offload": dict(cpu_offload=zs.CPUOffload(offload_params=True)),
-    "sharding_strategy": dict(sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD),
-    "param_init_fn": dict(param_init_fn=lambda m: None),
-    "sync_module_states": dict(sync_module_states=True),
+    "ignored_states": dict(ignored_states=[]),
 }
 
 

@@ -87,3 +87,13 @@ def test_mixed_precision(ranks, world_size, strategy, use_orig_params):
 def test_mixed_precision_transformer_no_sync(ranks, use_orig_params):
     ranks.run(2, run_case, dict(model="gpt", policy="transformer", use_orig_params=use_orig_params, no_sync=True,
                                 mp=dict(param_dtype="bfloat16", reduce_dtype="float32")))
+
+
+@pytest.mark.parametrize("strategy", ["HYBRID_SHARD", "_HYBRID_SHARD_ZERO2"])
+@pytest.mark.parametrize("how", ["tuple", "mesh", "group_size"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_hybrid_sharding(ranks, strategy, how, use_orig_params):
+    """Shard within pairs of ranks, replicate across them (4 ranks): equal to
+    torch FSDP1 given process_group=(shard, replicate); zeroshard's
+    fsdp_group_size=2 and a 2-D DeviceMesh describe the same layout."""
+    ranks.run(4, run_case, dict(strategy=strategy, hybrid=how, use_orig_params=use_orig_params))

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import hooks
+from . import groups, hooks, materialize
 from . import state_dict as sd
 from .flat_param import FlatParameter, collect_params
 from .grad_norm import clip_grad_norm_
@@ -52,26 +52,27 @@ class FullyShardedDataParallel(nn.Module):
         use_orig_params: bool = False,
         ignored_states=None,
         device_mesh=None,
+        fsdp_group_size: int | None = None,
     ):
         super().__init__()
-        strategy = sharding_strategy or ShardingStrategy.FULL_SHARD
-        _reject_unsupported(strategy, cpu_offload, mixed_precision, param_init_fn, sync_module_states, ignored_states, device_mesh, module)
+        strategy = sharding_strategy or (ShardingStrategy.HYBRID_SHARD if fsdp_group_size else ShardingStrategy.FULL_SHARD)
+        _reject_unsupported(mixed_precision, ignored_states, module)
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError(
                 "zeroshard: the module is already a FullyShardedDataParallel unit; wrapping it again would "
                 "shard its FlatParameter twice. Fix: wrap the inner module once (pass the original module)."
             )
-        if process_group is None:
-            if not dist.is_available() or not dist.is_initialized():
-                raise RuntimeError(
-                    "zeroshard: FullyShardedDataParallel needs a process group, but torch.distributed is not "
-                    "initialized. Fix: call torch.distributed.init_process_group('gloo' or 'nccl', ...) before "
-                    "wrapping, or pass process_group=..."
-                )
-            process_group = dist.group.WORLD
-        self.process_group = process_group
-        self.rank, self.world_size = process_group.rank(), process_group.size()
-        if self.world_size == 1 and strategy != ShardingStrategy.NO_SHARD:
+        if process_group is None and device_mesh is None and (not dist.is_available() or not dist.is_initialized()):
+            raise RuntimeError(
+                "zeroshard: FullyShardedDataParallel needs a process group, but torch.distributed is not "
+                "initialized. Fix: call torch.distributed.init_process_group('gloo' or 'nccl', ...) before "
+                "wrapping, or pass process_group=..."
+            )
+        shard_group, replicate_group = groups.resolve(process_group, device_mesh, strategy, fsdp_group_size)
+        shard_group = shard_group or dist.group.WORLD
+        self.process_group, self._replicate_group = shard_group, replicate_group
+        self.rank, self.world_size = shard_group.rank(), shard_group.size()
+        if self.world_size == 1 and replicate_group is None and strategy != ShardingStrategy.NO_SHARD:
             # One rank has nothing to shard over; torch FSDP1 switches too, and
             # matching it keeps use_orig_params shapes and grads identical.
             warnings.warn(f"zeroshard: world size is 1, using NO_SHARD instead of {strategy.name}.", stacklevel=2)
@@ -82,27 +83,38 @@ class FullyShardedDataParallel(nn.Module):
         self.limit_all_gathers = limit_all_gathers
         self.use_orig_params = use_orig_params
         self.mixed_precision = mixed_precision or MixedPrecision()
-        self.compute_device = _compute_device(module, device_id, process_group)
+        self.cpu_offload = cpu_offload or CPUOffload()
+        self.compute_device = _compute_device(module, device_id, shard_group)
         ignored = {m for root in (ignored_modules or ()) for m in root.modules()}
         if auto_wrap_policy is not None:
             unit_kwargs = dict(
-                process_group=process_group, sharding_strategy=strategy, backward_prefetch=backward_prefetch,
-                forward_prefetch=forward_prefetch, limit_all_gathers=limit_all_gathers,
-                use_orig_params=use_orig_params, device_id=device_id, ignored_modules=ignored_modules,
-                mixed_precision=mixed_precision,
+                process_group=(shard_group, replicate_group) if replicate_group is not None else shard_group,
+                sharding_strategy=strategy, backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+                limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params, device_id=device_id,
+                ignored_modules=ignored_modules, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
+                param_init_fn=param_init_fn, sync_module_states=sync_module_states,
             )
             auto_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(m, **unit_kwargs), ignored, _is_unit)
         self._fsdp_wrapped_module = module
         self._ignored_modules = ignored
+
+        def outside_unit(m):
+            return _is_unit(m) or m in ignored
+
+        materialize.materialize(module, outside_unit, self.compute_device, param_init_fn)
+        if sync_module_states:
+            materialize.sync_module_states(module, outside_unit, [shard_group, replicate_group])
         nested = {m for m in module.modules() if _is_unit(m)}
         entries, aliases = collect_params(module, skip=nested | ignored)
         _check_unowned(entries, type(module).__name__)
         self._handle = None
         if entries:
             self._handle = FlatParamHandle(
-                entries, aliases, group=process_group, strategy=strategy,
+                entries, aliases, group=shard_group, strategy=strategy,
                 use_orig_params=use_orig_params, unit_name=type(module).__name__,
                 param_dtype=self.mixed_precision.param_dtype, reduce_dtype=self.mixed_precision.reduce_dtype,
+                replicate_group=replicate_group, compute_device=self.compute_device,
+                offload_params=self.cpu_offload.offload_params,
             )
             flat = self._handle.flat_param
             self._handle.flat_param_host = module
@@ -245,12 +257,8 @@ def _check_unowned(entries, unit: str):
 
 
 def _compute_device(module: nn.Module, device_id, group) -> torch.device:
-    devices = {p.device for p in module.parameters()}
-    if any(d.type == "meta" for d in devices):
-        raise ValueError(
-            "zeroshard: the module has parameters on the meta device; meta-device initialization "
-            "(param_init_fn / reset_parameters) is not supported yet. Fix: materialize the module first."
-        )
+    devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
+    devices.discard(torch.device("meta"))  # materialized on the compute device (see materialize)
     if device_id is not None:
         device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
         for d in devices:
@@ -309,21 +317,16 @@ def _to_device(obj, device):
     return obj
 
 
-def _reject_unsupported(strategy, cpu_offload, mixed_precision, param_init_fn, sync_module_states, ignored_states, device_mesh, module):
+def _reject_unsupported(mixed_precision, ignored_states, module):
     unsupported = {
-        "sharding_strategy": strategy in (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2),
-        "cpu_offload": cpu_offload is not None and cpu_offload.offload_params,
         "mixed_precision.keep_low_precision_grads": mixed_precision is not None and mixed_precision.keep_low_precision_grads,
-        "param_init_fn": param_init_fn is not None,
-        "sync_module_states": bool(sync_module_states),
         "ignored_states": ignored_states is not None,
-        "device_mesh": device_mesh is not None,
     }
     for name, bad in unsupported.items():
         if bad:
             raise ValueError(
-                f"zeroshard: FullyShardedDataParallel({type(module).__name__}): {name}= is not supported yet "
-                f"(hybrid sharding, CPU offload and meta-device init are planned). Fix: leave {name} at its default."
+                f"zeroshard: FullyShardedDataParallel({type(module).__name__}): {name}= is not supported yet. "
+                f"Fix: leave {name} at its default (use ignored_modules instead of ignored_states)."
             )
 
 

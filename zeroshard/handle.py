@@ -77,8 +77,12 @@ class FlatParamHandle:
     """Owns one unit's FlatParameter, its shard, and its padded unsharded buffer."""
 
     def __init__(self, entries, aliases, *, group, strategy: ShardingStrategy, use_orig_params: bool, unit_name: str,
-                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None):
+                 param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
+                 replicate_group=None, compute_device: torch.device | None = None, offload_params: bool = False):
         self.group = group
+        # HSDP: shards are replicated across this group; gradients are
+        # all-reduced over it after the reduce-scatter (see reduce).
+        self.replicate_group = replicate_group
         self.world_size = group.size()
         self.rank = group.rank()
         self.strategy = strategy
@@ -100,6 +104,14 @@ class FlatParamHandle:
         flat = flatten_params(self.layout, params)
         self.local_shard = shard_of(flat, self.layout) if self.sharded else flat
         del flat
+        # CPU offload: the shard (and the optimizer state built on it) stays on
+        # CPU; only the gathered buffers live on the compute device.
+        self.device = compute_device or self.local_shard.device
+        self.offload = offload_params
+        if offload_params:
+            self.local_shard = self.local_shard.cpu()
+        elif self.local_shard.device != self.device:
+            self.local_shard = self.local_shard.to(self.device)
         requires_grad = any(p.requires_grad for p in params)
         self.flat_param = FlatParameter(self.local_shard, requires_grad=requires_grad)
         self.flat_param._fqns = self.layout.fqns  # noqa: SLF001 (for readers/debuggers)
@@ -109,7 +121,7 @@ class FlatParamHandle:
         self.padded = self._full_buffer(self.compute_dtype) if self.sharded else None
         self.padded_bytes = self.layout.padded_numel * self.compute_dtype.itemsize
         # NO_SHARD in the shard's dtype computes on the shard itself: nothing to gather.
-        self.always_full = not self.sharded and self.compute_dtype == dtype
+        self.always_full = not self.sharded and self.compute_dtype == dtype and self.local_shard.device == self.device
         self._full: torch.Tensor | None = self.local_shard if self.always_full else None
         self.orig_params: list[nn.Parameter] = params if use_orig_params else []
         for p in params:
@@ -137,7 +149,7 @@ class FlatParamHandle:
 
     def _full_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._full_buffers:
-            buf = self.local_shard.new_empty(self.layout.padded_numel, dtype=dtype)
+            buf = self.local_shard.new_empty(self.layout.padded_numel, dtype=dtype, device=self.device)
             buf.untyped_storage().resize_(0)
             self._full_buffers[dtype] = buf
         return self._full_buffers[dtype]
@@ -152,7 +164,7 @@ class FlatParamHandle:
             return
         dtype = self.dtype if full_precision else self.compute_dtype
         # Casting the shard before the all-gather halves its bytes under bf16/fp16.
-        src = self.local_shard if dtype == self.dtype else self.local_shard.to(dtype)
+        src = self.local_shard.to(self.device, dtype)  # no copy unless offloaded or cast
         if self.sharded:
             self._full = self._full_buffer(dtype)
             self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())

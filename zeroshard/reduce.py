@@ -10,6 +10,9 @@ FSDP1's factors, so that fp32 results match it bit for bit and low-precision
 sums stay in range: pre starts at 1 and doubles while N is divisible by it
 and N / pre > pre (2 for N = 2, 3, 4; 4 for N = 6 to 16), post = N / pre.
 
+With hybrid sharding the reduce-scattered shard is then all-reduced across
+replica groups, and the factors are those of the whole data-parallel size.
+
 Under mixed precision the gradient is cast to ``reduce_dtype`` before the
 pre-division and the reduced shard back to the parameter dtype before it is
 accumulated, as torch FSDP1 does.
@@ -47,8 +50,12 @@ class PendingReduction:
     def finish(self):
         self.work.wait()
         self.inp = None  # the send buffer may be freed now
-        _div(self.out, self.post)
         h = self.handle
+        if h.replicate_group is not None:  # HSDP: the shard is summed across replicas too
+            comm.all_reduce(self.out, h.replicate_group)
+        _div(self.out, self.post)
+        if h.offload and self.out.device != h.local_shard.device:
+            self.out = self.out.to(h.local_shard.device)  # the optimizer steps the CPU shard
         if self.out.dtype != h.dtype:  # reduced in low precision: back to the master dtype
             if h.sharded:
                 self.out = self.out.to(h.dtype)
@@ -64,7 +71,8 @@ class PendingReduction:
 def start_reduction(handle) -> PendingReduction:
     """Launch the reduction of ``handle.flat_param.grad`` (the local unsharded gradient)."""
     flat = handle.flat_param
-    pre, post = divide_factors(handle.world_size)
+    replicas = handle.replicate_group.size() if handle.replicate_group is not None else 1
+    pre, post = divide_factors(handle.world_size * replicas)
     if flat.grad.dtype != handle.reduce_dtype:
         flat.grad.data = flat.grad.data.to(handle.reduce_dtype)
     if not handle.sharded:

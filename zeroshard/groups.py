@@ -1,0 +1,77 @@
+"""Process groups for hybrid sharding (HSDP): shard inside a group, replicate across.
+
+With HYBRID_SHARD each parameter is sharded over the ranks of a *shard group*
+(e.g. one node, fast links) and replicated across *replica groups* (the same
+position in every node). A gradient is reduce-scattered inside the shard group,
+then its shard is all-reduced across replicas. Three ways to say the layout,
+as in torch FSDP1 plus one zeroshard shorthand:
+
+* ``process_group=(shard_group, replicate_group)``
+* ``device_mesh``: a 2-D DeviceMesh, dim 0 replicate, dim 1 shard
+* ``fsdp_group_size=k``: consecutive blocks of k ranks shard, blocks replicate
+"""
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from .options import ShardingStrategy
+
+HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+_block_groups: dict[tuple[int, int], tuple] = {}
+
+
+def block_groups(k: int):
+    """(shard group of this rank's block of k, replicate group of its position)."""
+    world = dist.get_world_size()
+    if k <= 0 or world % k:
+        raise ValueError(
+            f"zeroshard: fsdp_group_size={k} does not divide the world size {world}. "
+            "Fix: pick a divisor of the world size (e.g. the ranks per node)."
+        )
+    key = (k, world)
+    if key not in _block_groups:
+        rank, shard, replicate = dist.get_rank(), None, None
+        # Every rank must create every group, in the same order.
+        for start in range(0, world, k):
+            g = dist.new_group(list(range(start, start + k)))
+            if start <= rank < start + k:
+                shard = g
+        for pos in range(k):
+            g = dist.new_group(list(range(pos, world, k)))
+            if rank % k == pos:
+                replicate = g
+        _block_groups[key] = (shard, replicate)
+    return _block_groups[key]
+
+
+def resolve(process_group, device_mesh, strategy, fsdp_group_size):
+    """(shard group, replicate group or None) for this unit."""
+    if fsdp_group_size is not None:
+        if strategy not in HYBRID and strategy is not None:
+            raise ValueError("zeroshard: fsdp_group_size shards within groups, which needs sharding_strategy=HYBRID_SHARD "
+                             "or _HYBRID_SHARD_ZERO2. Fix: pass one of them (or leave sharding_strategy unset).")
+        return block_groups(fsdp_group_size)
+    if device_mesh is not None:
+        if device_mesh.ndim == 2 and strategy in HYBRID:
+            return device_mesh.get_group(1), device_mesh.get_group(0)
+        if device_mesh.ndim == 1 and strategy not in HYBRID:
+            return device_mesh.get_group(0), None
+        raise ValueError(f"zeroshard: a {device_mesh.ndim}-D device_mesh does not fit {strategy.name}. "
+                         "Fix: 2-D (replicate, shard) for hybrid strategies, 1-D otherwise.")
+    if strategy in HYBRID:
+        if isinstance(process_group, tuple) and len(process_group) == 2:
+            return process_group
+        if process_group is not None:
+            raise ValueError("zeroshard: hybrid sharding takes process_group=(shard_group, replicate_group). "
+                             "Fix: pass the tuple, a 2-D device_mesh, or fsdp_group_size=k.")
+        local = os.environ.get("LOCAL_WORLD_SIZE")
+        if local is None:
+            raise ValueError("zeroshard: HYBRID_SHARD needs to know the shard groups. Fix: pass "
+                             "process_group=(shard_group, replicate_group), a 2-D device_mesh, or fsdp_group_size=k "
+                             "(or launch with torchrun, which sets LOCAL_WORLD_SIZE: one shard group per node).")
+        return block_groups(int(local))
+    if isinstance(process_group, tuple):
+        raise ValueError(f"zeroshard: a (shard, replicate) process_group tuple needs a hybrid strategy, not {strategy.name}.")
+    return process_group, None

@@ -1,0 +1,82 @@
+"""Before sharding: give every rank the same, real parameters for its unit.
+
+* **Meta-device init**: a model built under ``torch.device("meta")`` has no
+  storage. Each unit materializes only its own modules (children that are
+  units did so when they were wrapped, bottom-up), so no rank ever holds the
+  whole unsharded model: ``param_init_fn(module)`` if given, else
+  ``to_empty`` + ``reset_parameters()``, in torch FSDP1's breadth-first order
+  so that the random streams, and hence the values, match it.
+* **sync_module_states**: rank 0's parameters and buffers are broadcast (one
+  flat buffer, one collective per group) so ranks that initialized differently
+  start identical.
+"""
+from __future__ import annotations
+
+import collections
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import ext
+
+
+def unit_modules(root: nn.Module, skip) -> list[nn.Module]:
+    """The unit's modules, breadth-first, not entering ``skip`` (nested units, ignored)."""
+    order, queue, seen = [], collections.deque([root]), {root}
+    while queue:
+        m = queue.popleft()
+        order.append(m)
+        for child in m.children():
+            if child not in seen and not skip(child):
+                seen.add(child)
+                queue.append(child)
+    return order
+
+
+def _has_meta_state(module: nn.Module) -> bool:
+    return any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+
+
+@torch.no_grad()
+def materialize(root: nn.Module, skip, device: torch.device, param_init_fn=None) -> None:
+    modules = unit_modules(root, skip)
+    if not any(_has_meta_state(m) for m in modules):
+        return
+    if param_init_fn is not None:
+        if not callable(param_init_fn):
+            raise ValueError(f"zeroshard: param_init_fn must be callable, got {type(param_init_fn).__name__}.")
+        for m in modules:
+            param_init_fn(m)
+        return
+    for m in modules:
+        if not _has_meta_state(m):
+            continue
+        if not hasattr(m, "reset_parameters"):
+            raise ValueError(
+                f"zeroshard: {type(m).__name__} has meta-device parameters or buffers but no reset_parameters(). "
+                "Fix: give it a reset_parameters() method or pass param_init_fn=..."
+            )
+        m.to_empty(device=device, recurse=False)
+        m.reset_parameters()
+
+
+@torch.no_grad()
+def sync_module_states(root: nn.Module, skip, groups) -> None:
+    """Broadcast the unit's parameters and buffers from the first rank of each group."""
+    tensors = []
+    for m in unit_modules(root, skip):
+        tensors += [t for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
+    for t in dict.fromkeys(tensors):  # tied tensors once
+        by_dtype[t.dtype].append(t)
+    for same in by_dtype.values():
+        offsets, pos = [], 0
+        for t in same:
+            offsets.append(pos)
+            pos += t.numel()
+        flat = ext.flatten([t.detach() for t in same], offsets, pos)
+        for group in groups:
+            if group is not None and group.size() > 1:
+                dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+        ext.unflatten_into(flat, offsets, [t.data for t in same])
