@@ -83,7 +83,7 @@ class TinyGPT(nn.Module):
 
 def build(name: str, seed: int = 0, **kwargs) -> nn.Module:
     torch.manual_seed(seed)
-    return {"mlp": MLP, "gpt": TinyGPT}[name](**kwargs)
+    return {"mlp": MLP, "gpt": TinyGPT, "lora": LoRAMLP}[name](**kwargs)
 
 
 def batch(name: str, rank: int, step: int, d_in: int = 5):
@@ -91,6 +91,8 @@ def batch(name: str, rank: int, step: int, d_in: int = 5):
     g = torch.Generator().manual_seed(1000 * step + rank)
     if name == "gpt":
         return torch.randint(0, 37, (2, 16), generator=g)
+    if name == "lora":
+        return torch.randn(4, 5, generator=g)
     return torch.randn(4, d_in, generator=g)
 
 
@@ -106,3 +108,32 @@ class ParamBag(nn.Module):
         self.child = nn.Module()
         for i, s in enumerate(shapes[half:]):
             self.child.register_parameter(f"q{i}", nn.Parameter(torch.randn(s, generator=g)))
+
+
+class LoRALinear(nn.Module):
+    """A frozen base weight plus a trainable low-rank update (LoRA)."""
+
+    def __init__(self, d: int, rank: int = 2):
+        super().__init__()
+        self.base = nn.Linear(d, d)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, d) * 0.1)
+        self.lora_b = nn.Parameter(torch.randn(d, rank) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.lora_a.t() @ self.lora_b.t()
+
+
+class LoRAMLP(nn.Module):
+    def __init__(self, d_in: int = 5, d: int = 9, n_blocks: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(LoRALinear(d) for _ in range(n_blocks))
+        self.out = nn.Linear(d, 3)
+        self.out.weight = nn.Parameter(self.out.weight.detach().clone(), requires_grad=False)  # frozen head weight
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = torch.tanh(b(x))
+        return self.out(x)

@@ -27,6 +27,10 @@ DEFAULTS = dict(
 
 
 def _lambda_fn(m):
+    from models import LoRALinear
+
+    if isinstance(m, LoRALinear):
+        return True
     # Nested units: blocks and, inside transformer blocks, their MLPs.
     return isinstance(m, (Block, TransformerBlock, torch.nn.Sequential))
 
@@ -143,4 +147,8 @@ def run_case(rank: int, world_size: int, overrides: dict) -> dict:
         opt_ours.zero_grad()
         for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
             assert torch.equal(a, b), f"{where}: parameter {n} differs after AdamW"
-    return {"norms": norms, "params": sum(p.numel() for p in ours.parameters())}
+        state_ref = sorted(n for n, p in ref.named_parameters() if p in opt_ref.state)
+        state_ours = sorted(n for n, p in ours.named_parameters() if p in opt_ours.state)
+        assert state_ref == state_ours, f"{where}: optimizer state exists for {state_ref} vs {state_ours}"
+    return {"norms": norms, "params": sum(p.numel() for p in ours.parameters()),
+            "with_state": sorted(n for n, p in ours.named_parameters() if p in opt_ours.state)}

@@ -132,3 +132,56 @@ def _bad_group_size(rank, world_size):
 def test_fsdp_group_size_must_divide_world(ranks):
     for msg in ranks.run(3, _bad_group_size):
         assert msg and "fsdp_group_size=2" in msg and "world size 3" in msg
+
+
+def _hybrid_layout(rank, world_size):
+    """HYBRID_SHARD over 2 groups of 2: shards are half the unit (not a
+    quarter), all-gathers and reduce-scatters stay inside a pair, the
+    all-reduce goes across pairs; and the gradients agree with FULL_SHARD on
+    4 ranks up to fp32 summation order ((g0+g1)+(g2+g3) against gloo's
+    4-way reduce-scatter), hence a tolerance instead of torch.equal."""
+    base = build("mlp")
+    kw = dict(auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=True)
+    hybrid = zs.FSDP(copy.deepcopy(base), fsdp_group_size=2, **kw)
+    full = zs.FSDP(copy.deepcopy(base), **kw)
+    for h, f in zip(zs.FSDP.fsdp_modules(hybrid), zs.FSDP.fsdp_modules(full)):
+        assert h._handle.layout.shard_numel == -(-h._handle.layout.numel // 2)
+        assert f._handle.layout.shard_numel == -(-f._handle.layout.numel // 4)
+    assert hybrid.process_group.size() == 2 and hybrid._replicate_group.size() == 2
+    x = batch("mlp", rank, 0)
+    with zs.comm_stats() as stats:
+        hybrid(x).pow(2).mean().backward()
+    assert stats.group_sizes["all_gather"] == {2} and stats.group_sizes["reduce_scatter"] == {2}
+    assert stats.group_sizes["all_reduce"] == {2} and stats.calls["all_reduce"] == stats.calls["reduce_scatter"]
+    full(x).pow(2).mean().backward()
+    with zs.FSDP.summon_full_params(hybrid, with_grads=True), zs.FSDP.summon_full_params(full, with_grads=True):
+        for (n, a), (_, b) in zip(hybrid.named_parameters(), full.named_parameters()):
+            assert torch.equal(a, b), n
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-6, atol=1e-7, msg=n)
+    return True
+
+
+def test_hybrid_groups_and_shard_sizes(ranks):
+    assert all(ranks.run(4, _hybrid_layout))
+
+
+def _meta_equals_eager(rank, world_size, wrap_each):
+    def make():
+        return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.Linear(7, 2))
+
+    torch.manual_seed(3)
+    eager = make()
+    torch.manual_seed(3)
+    with torch.device("meta"):
+        meta = make()
+    policy = zs.wrap.ModuleWrapPolicy({nn.Linear}) if wrap_each else None
+    model = zs.FSDP(meta, auto_wrap_policy=policy)
+    got, want = model.state_dict(), eager.state_dict()
+    return list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.parametrize("wrap_each", [False, True])
+def test_meta_init_equals_eager_init_with_same_seed(ranks, wrap_each):
+    """Where materialization order equals construction order (here: a
+    Sequential), meta-device init reproduces the eagerly built weights."""
+    assert all(ranks.run(2, _meta_equals_eager, wrap_each))

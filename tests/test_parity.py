@@ -97,3 +97,16 @@ def test_hybrid_sharding(ranks, strategy, how, use_orig_params):
     torch FSDP1 given process_group=(shard, replicate); zeroshard's
     fsdp_group_size=2 and a 2-D DeviceMesh describe the same layout."""
     ranks.run(4, run_case, dict(strategy=strategy, hybrid=how, use_orig_params=use_orig_params))
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("policy", ["lambda", "none"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_frozen_parameters_use_orig_params(ranks, world_size, policy, strategy):
+    """LoRA-style units mixing frozen and trainable parameters
+    (use_orig_params=True): same grads (None for frozen) and same optimizer
+    states as torch FSDP1, and no state at all for the frozen parameters."""
+    results = ranks.run(world_size, run_case, dict(model="lora", policy=policy, strategy=strategy, use_orig_params=True))
+    for r in results:
+        assert not any(n.endswith(("base.weight", "base.bias", "out.weight")) for n in r["with_state"]), r["with_state"]
+        assert any("lora" in n for n in sum((x["with_state"] for x in results), []))

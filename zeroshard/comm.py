@@ -31,6 +31,7 @@ class CommStats:
 
     calls: dict = field(default_factory=lambda: defaultdict(int))
     bytes: dict = field(default_factory=lambda: defaultdict(float))
+    group_sizes: dict = field(default_factory=lambda: defaultdict(set))  # kind -> sizes of the groups used
 
     def total_bytes(self) -> float:
         return float(sum(self.bytes.values()))
@@ -57,6 +58,7 @@ def _record(kind: str, full_numel: int, elem_size: int, world: int, factor: floa
     for stats in _active:
         stats.calls[kind] += 1
         stats.bytes[kind] += moved
+        stats.group_sizes[kind].add(world)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
