@@ -2,8 +2,10 @@
 (gradients) and all-reduce (NO_SHARD gradients, replicas, norms).
 
 Every collective the engine issues goes through here so that one place counts
-the bytes each rank sends (compare with the ZeRO-3 volume 3Ψ(N−1)/N) and can
-name the collective when it fails.
+the bytes each rank sends (compare with the ZeRO-3 volume 3Ψ(N−1)/N) and names
+the collective, the unit and the lifecycle step when it fails (a dead or
+diverged peer surfaces as a CollectiveError within the process group's
+timeout instead of a silent hang).
 """
 from __future__ import annotations
 
@@ -61,21 +63,58 @@ def _record(kind: str, full_numel: int, elem_size: int, world: int, factor: floa
         stats.group_sizes[kind].add(world)
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True):
+class CollectiveError(RuntimeError):
+    """A collective that could not complete: a peer died, diverged or timed out."""
+
+
+def _fail(kind: str, what: str, group, err: BaseException):
+    rank = dist.get_rank()
+    cause = "timed out (the process group's timeout)" if "timed out" in str(err).lower() else "failed"
+    return CollectiveError(
+        f"zeroshard: rank {rank}: {kind} for {what} {cause} on a group of {dist.get_world_size(group)} ranks: {err}\n"
+        "Likely causes: another rank died or raised, or ranks diverged (a different model or wrap policy, "
+        "or a different number of forward/backward calls on some rank). Fix that rank; the error there names its cause."
+    )
+
+
+class Pending:
+    """An asynchronous collective whose ``wait()`` names it if it fails."""
+
+    def __init__(self, work, kind: str, what: str, group):
+        self.work, self.kind, self.what, self.group = work, kind, what, group
+
+    def wait(self):
+        try:
+            self.work.wait()
+        except RuntimeError as e:
+            raise _fail(self.kind, self.what, self.group, e) from e
+
+
+def _issue(kind: str, what: str, group, async_op: bool, call):
+    try:
+        work = call()
+    except RuntimeError as e:
+        raise _fail(kind, what, group, e) from e
+    if not async_op:
+        return None
+    return Pending(work, kind, what, group)
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True, what: str = "parameters"):
     """Gather every rank's ``shard`` into ``output`` (rank r's at r·len(shard))."""
     world = dist.get_world_size(group)
     _record("all_gather", output.numel(), output.element_size(), world)
-    return _all_gather(output, shard, group=group, async_op=async_op)
+    return _issue("all_gather", what, group, async_op, lambda: _all_gather(output, shard, group=group, async_op=async_op))
 
 
-def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op: bool = True):
+def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op: bool = True, what: str = "gradients"):
     """Sum ``full`` over ranks and keep this rank's contiguous chunk."""
     world = dist.get_world_size(group)
     _record("reduce_scatter", full.numel(), full.element_size(), world)
-    return _reduce_scatter(shard_out, full, group=group, async_op=async_op)
+    return _issue("reduce_scatter", what, group, async_op, lambda: _reduce_scatter(shard_out, full, group=group, async_op=async_op))
 
 
-def all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.SUM):
+def all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.SUM, what: str = "gradients"):
     world = dist.get_world_size(group)
     _record("all_reduce", tensor.numel(), tensor.element_size(), world, factor=2.0)
-    return dist.all_reduce(tensor, op=op, group=group, async_op=async_op)
+    return _issue("all_reduce", what, group, async_op, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))

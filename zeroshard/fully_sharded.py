@@ -148,10 +148,14 @@ class FullyShardedDataParallel(nn.Module):
         self._is_root = True
         _cast_buffers(states)
         runtime = hooks.RootRuntime(states)
+        paths = {m: name for name, m in self.named_modules()}
         for s in states:
             s._runtime = runtime
             if s._handle is not None:
                 s._handle.is_root = s is self
+                # Errors name units by their path in the model from now on.
+                s._handle.unit_name = (paths[s].replace("_fsdp_wrapped_module.", "") or "<root>") + f" ({s._handle.unit_name})"
+
 
     def forward(self, *args, **kwargs):
         self._lazy_init()

@@ -53,10 +53,10 @@ def clip_grad_norm_(root, max_norm: float, norm_type: float = 2.0) -> torch.Tens
     group = root.process_group
     if norm_type == math.inf:
         total = torch.maximum(local, extra) if extra is not None else local
-        comm.all_reduce(total, group, op=dist.ReduceOp.MAX)
+        comm.all_reduce(total, group, op=dist.ReduceOp.MAX, what="clip_grad_norm_ (max norm)")
     else:
         total = local**norm_type
-        comm.all_reduce(total, group)
+        comm.all_reduce(total, group, what="clip_grad_norm_ (sum of squares)")
         if extra is not None:
             total += extra**norm_type
         total = total ** (1.0 / norm_type)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
@@ -101,6 +102,7 @@ class FlatParamHandle:
         # views handed to the optimizer and kernels aligned; torch FSDP1 does too.
         align = 16 // self.compute_dtype.itemsize if use_orig_params else 0
         self.layout: FlatLayout = build_layout(entries, aliases, self.world_size, self.rank, align)
+        _check_same_layout(self.layout, dtype, group, unit_name)
         flat = flatten_params(self.layout, params)
         self.local_shard = shard_of(flat, self.layout) if self.sharded else flat
         del flat
@@ -168,7 +170,8 @@ class FlatParamHandle:
         if self.sharded:
             self._full = self._full_buffer(dtype)
             self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
-            self._gather_work = comm.all_gather(self._full, src, self.group)
+            step = "forward/backward" if not full_precision else "summon_full_params"
+            self._gather_work = comm.all_gather(self._full, src, self.group, what=f"unshard ({step}) of unit '{self.unit_name}'")
         else:
             self._full = src
         self.unsharded = True
@@ -268,7 +271,7 @@ class FlatParamHandle:
             return
         if self.sharded:
             full = g.new_empty(self.layout.padded_numel)
-            comm.all_gather(full, g, self.group, async_op=False)
+            comm.all_gather(full, g, self.group, async_op=False, what=f"summon_full_params(with_grads) of unit '{self.unit_name}'")
             g = full
         for p, info in zip(params, self.layout.params):
             p.grad = None
@@ -353,6 +356,35 @@ def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, in_parameter
         module._parameters[name] = tensor
     else:
         module.__dict__[name] = tensor
+
+
+def _check_same_layout(layout: FlatLayout, dtype, group, unit_name: str):
+    """Ranks that wrapped different models would all-gather mismatched
+    buffers (garbage or a hang); compare the layouts once, at construction."""
+    mine = (str(dtype), [(p.fqn, tuple(p.shape)) for p in layout.params])
+    if group.size() == 1:
+        return
+    everyone = [None] * group.size()
+    try:
+        dist.all_gather_object(everyone, mine, group=group)
+    except RuntimeError as e:
+        raise comm.CollectiveError(f"zeroshard: rank {dist.get_rank()}: comparing the layout of unit '{unit_name}' "
+                                   f"across ranks failed ({e}); ranks may be wrapping different models.") from e
+    for r, theirs in enumerate(everyone):
+        if theirs == mine:
+            continue
+        if theirs[0] != mine[0]:
+            diff = f"dtype {theirs[0]} on rank {r} vs {mine[0]} here"
+        else:
+            pairs = list(zip(theirs[1], mine[1]))
+            i = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+            a = theirs[1][i] if i < len(theirs[1]) else "nothing"
+            b = mine[1][i] if i < len(mine[1]) else "nothing"
+            diff = f"parameter #{i}: rank {r} has {a}, rank {dist.get_rank()} has {b}"
+        raise ValueError(
+            f"zeroshard: unit '{unit_name}' has a different layout on different ranks ({diff}). "
+            "Fix: build the same model, with the same wrap policy and ignored modules, on every rank."
+        )
 
 
 def _check_uniform(entries, use_orig_params: bool, unit_name: str):

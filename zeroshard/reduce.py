@@ -52,7 +52,7 @@ class PendingReduction:
         self.inp = None  # the send buffer may be freed now
         h = self.handle
         if h.replicate_group is not None:  # HSDP: the shard is summed across replicas too
-            comm.all_reduce(self.out, h.replicate_group)
+            comm.all_reduce(self.out, h.replicate_group, what=f"replica all-reduce of unit '{h.unit_name}' gradients")
         _div(self.out, self.post)
         if h.offload and self.out.device != h.local_shard.device:
             self.out = self.out.to(h.local_shard.device)  # the optimizer steps the CPU shard
@@ -78,7 +78,7 @@ def start_reduction(handle) -> PendingReduction:
     if not handle.sharded:
         grad = flat.grad  # stays in .grad; all-reduced in place
         _div(grad, pre)
-        work = comm.all_reduce(grad, handle.group, async_op=True)
+        work = comm.all_reduce(grad, handle.group, async_op=True, what=f"NO_SHARD gradient of unit '{handle.unit_name}'")
         return PendingReduction(handle, work, grad, grad, post)
     grad = flat.grad.data
     # Clear .grad now so a second backward before the reduction completes
@@ -88,7 +88,7 @@ def start_reduction(handle) -> PendingReduction:
     padded = F.pad(grad, [0, pad]) if pad else grad
     _div(padded, pre)
     out = padded.new_empty(handle.layout.shard_numel)
-    work = comm.reduce_scatter(out, padded, handle.group)
+    work = comm.reduce_scatter(out, padded, handle.group, what=f"post-backward gradient of unit '{handle.unit_name}'")
     return PendingReduction(handle, work, out, padded, post)
 
 

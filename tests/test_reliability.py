@@ -1,0 +1,51 @@
+"""Faults fail fast and name themselves: a dead peer, ranks wrapping different
+models. Each scenario runs in its own short-lived processes (a fault leaves a
+process group unusable), under a deadline."""
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+import torch.nn as nn
+
+import zeroshard as zs
+from models import MLP, Block, batch
+from zeroshard.testing import spawn
+
+
+def _killed_peer(rank, world_size):
+    model = zs.FSDP(MLP(n_blocks=3), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    if rank == 1:  # dies in the middle of the second block's forward
+        model.blocks[1].module.register_forward_pre_hook(lambda *a: os.kill(os.getpid(), signal.SIGKILL))
+    model(batch("mlp", rank, 0)).sum().backward()
+
+
+def test_dead_peer_raises_named_collective_error():
+    with pytest.raises(RuntimeError) as info:
+        spawn(_killed_peer, 2, timeout=120, pg_timeout=20)
+    msg = str(info.value)
+    assert "rank 1 exited" in msg or "exited with code" in msg
+    # The survivor's error names itself, the collective, the lifecycle step and the unit.
+    assert "zeroshard: rank 0:" in msg and "CollectiveError" in msg, msg
+    assert "unshard" in msg or "post-backward" in msg, msg
+    assert "blocks." in msg, msg
+
+
+class Other(nn.Module):
+    def __init__(self, wide):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 6 if wide else 5)
+
+
+def _different_models(rank, world_size):
+    zs.FSDP(Other(wide=rank == 1))
+
+
+def test_different_models_detected_at_construction():
+    with pytest.raises(RuntimeError) as info:
+        spawn(_different_models, 2, timeout=120, pg_timeout=20)
+    msg = str(info.value)
+    assert "different layout on different ranks" in msg and "b.weight" in msg and "Fix" in msg, msg
