@@ -22,7 +22,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-@dataclass
+@dataclass(eq=False)  # windows are removed by identity: two with equal counts are still two
 class CommStats:
     """Calls and bytes per collective, as seen by this rank.
 
