@@ -48,11 +48,16 @@ class Block(nn.Module):
 
 
 class CharGPT(nn.Module):
+    """A small GPT (also the model of benchmarks/train_step.py)."""
+
     def __init__(self, vocab: int, d: int = 96, heads: int = 4, layers: int = 3, ctx: int = 64):
         super().__init__()
         self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(ctx, d)
         self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
         self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied, as in GPT-2: both uses stay in the root unit
+        nn.init.normal_(self.tok.weight, std=0.02)
+        nn.init.normal_(self.pos.weight, std=0.02)
 
     def forward(self, idx):
         x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
