@@ -10,11 +10,13 @@ The package reads in lifecycle order:
   wrap        -> which submodules become units (auto-wrap policies)
   fully_sharded -> the FullyShardedDataParallel module itself
   grad_norm   -> clip_grad_norm_ over shards
-  state_dict  -> summon_full_params, full and local state dicts
+  state_dict  -> summon_full_params, full, local and sharded (DCP) state dicts
+  optim_state -> optimizer state dicts (ZeRO-1 state, gathered / re-sharded)
+  checkpoint  -> atomic checkpoint files; consolidate: DCP dir -> one file
   comm        -> the collectives, with byte accounting
   ext         -> optional C++/CUDA flatten/unflatten kernels
 """
-from . import wrap
+from . import checkpoint, wrap
 from .comm import comm_stats
 from .ext import ext_backend
 from .fully_sharded import FSDP, FullyShardedDataParallel

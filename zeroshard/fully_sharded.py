@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import groups, hooks, materialize
+from . import groups, hooks, materialize, optim_state
 from . import state_dict as sd
 from .flat_param import FlatParameter, collect_params
 from .grad_norm import clip_grad_norm_
@@ -219,10 +219,38 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
-        """Context manager selecting FULL / LOCAL state dicts for every unit in ``module``."""
-        if optim_state_dict_config is not None:
-            raise ValueError("zeroshard: optim_state_dict_config is not supported yet (no optimizer state dicts). Fix: leave it None.")
+        """Context manager selecting FULL / LOCAL / SHARDED state dicts for every unit in ``module``.
+
+        Optimizer state dicts are always FULL (see ``optim_state``): a
+        FullOptimStateDictConfig without rank0_only is accepted, others raise."""
+        cfg = optim_state_dict_config
+        if cfg is not None and (type(cfg).__name__ != "FullOptimStateDictConfig" or getattr(cfg, "rank0_only", False)):
+            raise ValueError(f"zeroshard: optim_state_dict_config={cfg!r} is not supported yet: optimizer state dicts are "
+                             "FULL on every rank. Fix: leave it None or pass FullOptimStateDictConfig(rank0_only=False).")
         return sd.state_dict_type(module, state_dict_type, state_dict_config)
+
+    @staticmethod
+    def optim_state_dict(model, optim, optim_state_dict=None, group=None):
+        """torch FSDP1's FULL optimizer state dict: FQN keys, full state tensors (collective)."""
+        return optim_state.optim_state_dict(model, optim, optim_state_dict, group)
+
+    @staticmethod
+    def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False, load_directly=False, group=None):
+        """A FULL optimizer state dict cut to this rank's shards, for ``optim.load_state_dict``
+        (or loaded into ``optim`` directly with ``load_directly=True``)."""
+        if is_named_optimizer:
+            raise ValueError("zeroshard: is_named_optimizer=True is not supported. Fix: use a torch.optim optimizer.")
+        out = optim_state.optim_state_dict_to_load(model, optim, optim_state_dict, group)
+        if load_directly:
+            optim.load_state_dict(out)
+        return out
+
+    @staticmethod
+    def full_optim_state_dict(model, optim, optim_input=None, rank0_only=True, group=None):
+        """torch's older name; zeroshard returns the full dict on every rank (rank0_only ignored)."""
+        if optim_input is not None:
+            raise ValueError("zeroshard: optim_input is not supported (deprecated in torch too). Fix: leave it None.")
+        return FullyShardedDataParallel.optim_state_dict(model, optim, group=group)
 
     @staticmethod
     def set_state_dict_type(module, state_dict_type, state_dict_config=None):

@@ -11,17 +11,28 @@
   and writes it back into the shards.
 * LOCAL_STATE_DICT: each rank's flat shards as they are (``..._flat_param``
   keys), for restarting at the same world size; loading checks the shard sizes.
+* SHARDED_STATE_DICT: the plain model's keys, each parameter a DTensor
+  (``Shard(0)`` over a 1-D mesh of the process group): rank r holds rows
+  ``[r*ceil(d0/N), (r+1)*ceil(d0/N))`` (torch.chunk). Saved with
+  ``torch.distributed.checkpoint``, which records every chunk's offsets, so a
+  checkpoint loads at any world size. Trade-off: the rows are cut from the
+  gathered full parameters (and loading all-gathers the rows back into full
+  parameters before writing the shards), so peak memory is one full model,
+  as for FULL, instead of only the flat shards; in exchange it needs no
+  mapping between the flat shard (which splits parameters anywhere) and
+  DCP's per-parameter chunks.
 """
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.nn as nn
 
-from . import ext
+from . import comm, ext
 from .handle import HandleState
-from .options import FullStateDictConfig, LocalStateDictConfig, StateDictType
+from .options import FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig, StateDictType
 
 WRAPPED_PREFIX = "_fsdp_wrapped_module."
 FLAT_PARAM = "_flat_param"
@@ -68,6 +79,12 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
         if h.state != HandleState.IDLE:
             raise RuntimeError(f"zeroshard: summon_full_params called while unit '{h.unit_name}' is in {h.state.name.lower()}; "
                                "it can only run between training steps. Fix: call it outside forward/backward.")
+    for h in handles:
+        # optimizer.zero_grad() cleared the original parameters' grads but not
+        # the flat gradient they viewed; leaving the block re-points them at
+        # it, so drop it now or the next backward accumulates onto stale
+        # gradients (torch's state_dict / optim_state_dict reset it too).
+        h.reset_grad_if_orig_grads_none()
     undo = []
     with torch.no_grad():
         try:
@@ -117,17 +134,80 @@ def _buffer_value(v, keep_vars: bool):
     return v if keep_vars else v.detach()
 
 
+def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = False):
+    """(FULL state dict, its parameter keys); ({}, set()) off rank 0 with rank0_only."""
+    with summon_full_params(root, writeback=False, rank0_only=rank0_only):
+        if rank0_only and root.rank != 0:
+            return {}, set()
+        with plain_module_behaviour():
+            raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
+        copies = _full_param_copies(root)
+        out = {clean_key(k): copies.get(id(v)) if id(v) in copies else _buffer_value(v, keep_vars) for k, v in raw.items()}
+        return out, {clean_key(k) for k, v in raw.items() if isinstance(v, nn.Parameter)}
+
+
+# ------------------------------------------------ row-sharded DTensors (SHARDED)
+def device_mesh(root):
+    """The 1-D DeviceMesh over ``root``'s process group (made once, then cached)."""
+    mesh = root.__dict__.get("_zeroshard_mesh")
+    if mesh is None:
+        if root._replicate_group is not None:
+            raise ValueError("zeroshard: SHARDED_STATE_DICT with hybrid sharding is not supported yet. "
+                             "Fix: use FULL_STATE_DICT (or LOCAL_STATE_DICT) with HYBRID_SHARD.")
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh.from_group(root.process_group, root.compute_device.type)
+        root.__dict__["_zeroshard_mesh"] = mesh
+    return mesh
+
+
+def to_row_shard(full: torch.Tensor, mesh) -> "DTensor":  # noqa: F821
+    """This rank's rows of ``full`` as a DTensor (``Shard(0)``, torch.chunk
+    sizes: trailing ranks may hold no rows); 0-dim tensors are replicated."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # heavy: only for SHARDED
+
+    if full.dim() == 0:
+        return DTensor.from_local(full.detach().clone(), mesh, [Replicate()], run_check=False)
+    d0, n, r = full.shape[0], mesh.size(), mesh.get_local_rank()
+    rows = -(-d0 // n)
+    local = full.detach()[min(r * rows, d0) : min((r + 1) * rows, d0)].clone()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+
+
+def from_row_shard(value):
+    """The full tensor of a ``Shard(0)`` DTensor: every rank's rows, zero-padded
+    to equal size, all-gathered (collective over the DTensor's mesh); other
+    values are returned as they are."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # heavy: only for SHARDED
+
+    if not isinstance(value, DTensor):
+        return value
+    local = value.to_local()
+    if all(isinstance(p, Replicate) for p in value.placements):
+        return local
+    if len(value.placements) != 1 or value.placements[0] != Shard(0):
+        raise ValueError(f"zeroshard: cannot load a DTensor with placements {value.placements}; expected (Shard(0),) "
+                         "as zeroshard's SHARDED_STATE_DICT writes. Fix: load the state dict zeroshard's state_dict() returns.")
+    group = value.device_mesh.get_group()
+    n, shape = group.size(), value.shape
+    rows = -(-shape[0] // n)
+    padded = local.new_zeros((rows, *shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    out = local.new_empty((rows * n, *shape[1:]))
+    comm.all_gather(out, padded, group, async_op=False)
+    return out[: shape[0]]
+
+
 def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     kind, config = root._state_dict_type, root._state_dict_config
     if kind == StateDictType.FULL_STATE_DICT:
         rank0_only = isinstance(config, FullStateDictConfig) and config.rank0_only
-        with summon_full_params(root, writeback=False, rank0_only=rank0_only):
-            if rank0_only and root.rank != 0:
-                return {}
-            with plain_module_behaviour():
-                raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
-            copies = _full_param_copies(root)
-            return {clean_key(k): copies.get(id(v)) if id(v) in copies else _buffer_value(v, keep_vars) for k, v in raw.items()}
+        return _full_state_dict(root, prefix, keep_vars, rank0_only)[0]
+    if kind == StateDictType.SHARDED_STATE_DICT:
+        mesh = device_mesh(root)
+        full, param_keys = _full_state_dict(root, prefix, keep_vars)
+        # Buffers stay plain tensors: DCP saves them once, as replicated.
+        return {k: to_row_shard(v, mesh) if k in param_keys else v for k, v in full.items()}
     if kind == StateDictType.LOCAL_STATE_DICT:
         with plain_module_behaviour():
             raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
@@ -136,15 +216,46 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
         for key, h in _unit_flat_keys(root, prefix).items():
             out[key] = h.flat_param if keep_vars else h.flat_param.detach()
         return out
-    raise ValueError(f"zeroshard: state_dict type {kind.name} is not supported yet. Fix: use FULL_STATE_DICT or LOCAL_STATE_DICT.")
+    raise ValueError(f"zeroshard: state_dict type {kind.name} is not supported. Fix: use FULL, LOCAL or SHARDED_STATE_DICT.")
+
+
+def _normalize_full(state_dict, current: dict) -> dict:
+    """Map a FULL state dict's keys onto the plain model's: a DDP ``module.``
+    or FSDP ``_fsdp_wrapped_module.`` prefix is stripped (with a warning, never
+    silently), and the first value whose shape differs raises."""
+    stripped, out = [], {}
+    for k, v in state_dict.items():
+        key = k
+        if key not in current and WRAPPED_PREFIX in key:
+            key = clean_key(key)
+        if key not in current and key.startswith("module.") and key[len("module."):] in current:
+            key = key[len("module."):]
+        if key != k:
+            stripped.append(k)
+        out[key] = v
+    if stripped:
+        warnings.warn(f"zeroshard: load_state_dict stripped a 'module.' (DDP) or '{WRAPPED_PREFIX}' (FSDP) prefix from "
+                      f"{len(stripped)} key(s), e.g. '{stripped[0]}'; this model's keys are the plain model's.", stacklevel=4)
+    for k, v in out.items():
+        if k in current and torch.is_tensor(v) and tuple(v.shape) != tuple(current[k].shape):
+            raise ValueError(f"zeroshard: load_state_dict: '{k}' has shape {tuple(v.shape)} in the state dict but "
+                             f"{tuple(current[k].shape)} in the model. Fix: load a state dict saved from the same model "
+                             "configuration.")
+    return out
 
 
 def load(root, state_dict, strict: bool = True):
     kind = root._state_dict_type
+    if kind == StateDictType.SHARDED_STATE_DICT:
+        # Every rank walks the keys in one order, so the all-gathers match.
+        state_dict = {k: from_row_shard(state_dict[k]) for k in sorted(state_dict)}
+        kind = StateDictType.FULL_STATE_DICT
     if kind == StateDictType.FULL_STATE_DICT:
         with summon_full_params(root, writeback=True):
             with plain_module_behaviour():
-                actual = {clean_key(k): k for k in nn.Module.state_dict(root, keep_vars=True)}
+                current = nn.Module.state_dict(root, keep_vars=True)
+            actual = {clean_key(k): k for k in current}
+            state_dict = _normalize_full(state_dict, {clean_key(k): v for k, v in current.items()})
             result = nn.Module.load_state_dict(root, {actual.get(k, k): v for k, v in state_dict.items()}, strict=strict)
         return type(result)([clean_key(k) for k in result.missing_keys], [clean_key(k) for k in result.unexpected_keys])
     if kind == StateDictType.LOCAL_STATE_DICT:
@@ -176,7 +287,7 @@ def load(root, state_dict, strict: bool = True):
         if strict and (missing or unexpected):
             raise RuntimeError(f"zeroshard: LOCAL state dict mismatch: missing {missing}, unexpected {unexpected}.")
         return type(result)(missing, unexpected)
-    raise ValueError(f"zeroshard: load_state_dict for {kind.name} is not supported yet. Fix: use FULL_STATE_DICT or LOCAL_STATE_DICT.")
+    raise ValueError(f"zeroshard: load_state_dict for {kind.name} is not supported. Fix: use FULL, LOCAL or SHARDED_STATE_DICT.")
 
 
 @contextlib.contextmanager
@@ -190,7 +301,8 @@ def state_dict_type(module, kind: StateDictType, config=None):
 
 
 def set_state_dict_type(module, kind: StateDictType, config=None):
-    default = {StateDictType.FULL_STATE_DICT: FullStateDictConfig, StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig}
+    default = {StateDictType.FULL_STATE_DICT: FullStateDictConfig, StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig,
+               StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig}
     if config is None and kind in default:
         config = default[kind]()
     previous = {}

@@ -1,0 +1,349 @@
+"""Checkpoints: optimizer state dicts equal to torch FSDP1's and loadable by
+either engine, resuming bit-exactly; SHARDED state dicts through
+torch.distributed.checkpoint with resharding across world sizes; the
+consolidation CLI; atomic saves that survive SIGKILL; prefixed and misshapen
+FULL state dicts."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed.fsdp as tfsdp
+
+import zeroshard as zs
+from models import batch, build
+from parity import DEFAULTS, _wrap
+from zeroshard import optim_state
+
+
+def _engines(model_name, use_orig_params, strategy="FULL_SHARD", engines=("torch", "zeroshard"), seed=0):
+    case = {**DEFAULTS, "model": model_name, "use_orig_params": use_orig_params, "strategy": strategy}
+    base = build(model_name, seed=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        models = [_wrap(e, copy.deepcopy(base), case) for e in engines]
+    return models, [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+
+
+def _step(model, opt, model_name, rank, step):
+    model(batch(model_name, rank, step)).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _torch_osd(model, opt):
+    # offload_to_cpu=False: with torch's default (True) on CPU, FSDP1's
+    # use_orig_params=True gather returns views of one buffer reused for every
+    # state name, so exp_avg comes back equal to exp_avg_sq (see the report).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tfsdp.FullyShardedDataParallel.state_dict_type(
+                model, tfsdp.StateDictType.FULL_STATE_DICT, tfsdp.FullStateDictConfig(),
+                tfsdp.FullOptimStateDictConfig(offload_to_cpu=False)):
+            return tfsdp.FullyShardedDataParallel.optim_state_dict(model, opt)
+
+
+def _torch_to_load(model, opt, osd):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tfsdp.FullyShardedDataParallel.optim_state_dict_to_load(model, opt, osd)
+
+
+def _assert_same_value(a, b, where):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def _assert_osd_equal(ref, ours):
+    assert list(ref["state"]) == list(ours["state"]), (list(ref["state"]), list(ours["state"]))
+    for fqn, st in ref["state"].items():
+        assert set(st) == set(ours["state"][fqn]), fqn
+        for k, v in st.items():
+            _assert_same_value(v, ours["state"][fqn][k], f"{fqn}.{k}")
+    assert ref["param_groups"] == ours["param_groups"]
+
+
+def _assert_local_equal(a, b):
+    """Two optimizers' own state dicts (per-rank shards) are equal."""
+    assert a["param_groups"] == b["param_groups"]
+    assert list(a["state"]) == list(b["state"]) or set(a["state"]) == set(b["state"]), (list(a["state"]), list(b["state"]))
+    for k in a["state"]:
+        assert set(a["state"][k]) == set(b["state"][k]), k
+        for name, v in a["state"][k].items():
+            _assert_same_value(v, b["state"][k][name], f"{k}.{name}")
+
+
+# ------------------------------------------------------------- optim state dicts
+def _osd_parity(rank, world_size, model_name, use_orig_params, strategy):
+    (ref, ours), (opt_ref, opt_ours) = _engines(model_name, use_orig_params, strategy)
+    for step in range(3):
+        for m, o in ((ref, opt_ref), (ours, opt_ours)):
+            _step(m, o, model_name, rank, step)
+    for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
+        assert torch.equal(a, b), n  # trained bit-identically: the states must be equal too
+    osd_ref = _torch_osd(ref, opt_ref)
+    with zs.FSDP.state_dict_type(ours, zs.StateDictType.FULL_STATE_DICT, zs.FullStateDictConfig(),
+                                 tfsdp.FullOptimStateDictConfig(offload_to_cpu=False)):
+        osd_ours = zs.FSDP.optim_state_dict(ours, opt_ours)
+    _assert_osd_equal(osd_ref, osd_ours)
+    # Back to this rank's shards: both engines give what each optimizer holds.
+    local = opt_ours.state_dict()
+    _assert_local_equal(local, optim_state.optim_state_dict_to_load(ours, opt_ours, osd_ours))
+    _assert_local_equal(_torch_to_load(ref, opt_ref, osd_ref), optim_state.optim_state_dict_to_load(ours, opt_ours, osd_ref))
+    return len(osd_ours["state"])
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("model_name", ["mlp", "gpt"])
+def test_optim_state_dict_matches_torch(ranks, world_size, use_orig_params, model_name):
+    counts = ranks.run(world_size, _osd_parity, model_name, use_orig_params, "FULL_SHARD")
+    assert counts[0] == (16 if model_name == "mlp" else 40)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_optim_state_dict_matches_torch_no_shard(ranks, use_orig_params):
+    ranks.run(2, _osd_parity, "mlp", use_orig_params, "NO_SHARD")
+
+
+def _resume(rank, world_size, model_name, use_orig_params, load_orig_params):
+    (model,), (opt,) = _engines(model_name, use_orig_params, engines=("zeroshard",))
+    for step in range(3):
+        _step(model, opt, model_name, rank, step)
+    sd, osd = model.state_dict(), zs.FSDP.optim_state_dict(model, opt)
+    for step in range(3, 6):
+        _step(model, opt, model_name, rank, step)
+    expected = model.state_dict()
+    # A fresh model (other initial weights, no optimizer state), possibly in the other layout.
+    (fresh,), (fresh_opt,) = _engines(model_name, load_orig_params, engines=("zeroshard",), seed=1)
+    fresh.load_state_dict(sd)
+    zs.FSDP.optim_state_dict_to_load(fresh, fresh_opt, osd, load_directly=True)
+    for step in range(3, 6):
+        _step(fresh, fresh_opt, model_name, rank, step)
+    got = fresh.state_dict()
+    assert list(expected) == list(got)
+    for k in expected:
+        assert torch.equal(expected[k], got[k]), k
+    return True
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("use_orig_params,load_orig_params", [(False, False), (True, True), (False, True), (True, False)])
+def test_resume_from_full_model_and_optim_state_is_bit_exact(ranks, world_size, use_orig_params, load_orig_params):
+    ranks.run(world_size, _resume, "gpt", use_orig_params, load_orig_params)
+
+
+def _state_dict_between_steps(rank, world_size, use_orig_params):
+    """Saving between steps leaves training unchanged (after zero_grad the flat
+    gradient must not come back as the original parameters' grads)."""
+    (a, b), (opt_a, opt_b) = _engines("gpt", use_orig_params, engines=("zeroshard", "zeroshard"))
+    for step in range(3):
+        for m, o in ((a, opt_a), (b, opt_b)):
+            _step(m, o, "gpt", rank, step)
+        a.state_dict()
+        zs.FSDP.optim_state_dict(a, opt_a)
+    return all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_saving_between_steps_does_not_change_training(ranks, use_orig_params):
+    assert all(ranks.run(2, _state_dict_between_steps, use_orig_params))
+
+
+def _cross_engine(rank, world_size, model_name, src_orig, dst_orig):
+    """zeroshard's full optim state dict loads into torch FSDP1 and back."""
+    (ref, ours), (opt_ref, opt_ours) = _engines(model_name, src_orig)
+    for step in range(3):
+        for m, o in ((ref, opt_ref), (ours, opt_ours)):
+            _step(m, o, model_name, rank, step)
+    osd_ours, osd_ref = optim_state.optim_state_dict(ours, opt_ours), _torch_osd(ref, opt_ref)
+    sd = ours.state_dict()
+    # Fresh models of both engines in the destination layout; each loads the
+    # *other* engine's checkpoint, then all four train on identically.
+    (ref2, ours2), (opt_ref2, opt_ours2) = _engines(model_name, dst_orig, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref2.load_state_dict(sd)
+    ours2.load_state_dict(sd)
+    opt_ref2.load_state_dict(_torch_to_load(ref2, opt_ref2, osd_ours))
+    opt_ours2.load_state_dict(optim_state.optim_state_dict_to_load(ours2, opt_ours2, osd_ref))
+    if src_orig == dst_orig:
+        _assert_local_equal(opt_ref.state_dict(), opt_ref2.state_dict())
+        _assert_local_equal(opt_ours.state_dict(), opt_ours2.state_dict())
+    for step in range(3, 5):
+        for m, o in ((ref, opt_ref), (ours, opt_ours), (ref2, opt_ref2), (ours2, opt_ours2)):
+            _step(m, o, model_name, rank, step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        finals = [m.state_dict() for m in (ref, ours, ref2, ours2)]
+    for k in finals[0]:
+        assert all(torch.equal(finals[0][k], f[k]) for f in finals[1:]), k
+    return True
+
+
+@pytest.mark.parametrize("src_orig,dst_orig", [(False, False), (True, True), (True, False)])
+def test_optim_state_dict_crosses_engines(ranks, src_orig, dst_orig):
+    ranks.run(2, _cross_engine, "mlp", src_orig, dst_orig)
+
+
+# ------------------------------------------------- SHARDED_STATE_DICT with DCP
+def _zs_model(model_name, use_orig_params, seed=0):
+    (model,), (opt,) = _engines(model_name, use_orig_params, engines=("zeroshard",), seed=seed)
+    return model, opt
+
+
+def _sharded_save(rank, world_size, path, model_name, use_orig_params, engine="zeroshard"):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor
+
+    (model,), (opt,) = _engines(model_name, use_orig_params, engines=(engine,))
+    for step in range(2):
+        _step(model, opt, model_name, rank, step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = model.state_dict()
+    lib = zs if engine == "zeroshard" else tfsdp
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with lib.FullyShardedDataParallel.state_dict_type(model, lib.StateDictType.SHARDED_STATE_DICT):
+            sd = model.state_dict()
+            if engine == "zeroshard":
+                assert list(sd) == list(full)
+                for k, v in sd.items():
+                    if not isinstance(v, DTensor):  # buffers stay plain
+                        assert torch.equal(v, full[k]) and k == "scale", k
+                        continue
+                    rows = -(-full[k].shape[0] // world_size)
+                    assert v.shape == full[k].shape and torch.equal(v.to_local(), full[k][rank * rows : (rank + 1) * rows]), k
+            dcp.save(sd, checkpoint_id=path)
+    return full if rank == 0 else None
+
+
+def _sharded_load(rank, world_size, path, model_name, use_orig_params):
+    import torch.distributed.checkpoint as dcp
+
+    model, _ = _zs_model(model_name, use_orig_params, seed=1)  # other initial weights
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.SHARDED_STATE_DICT):
+        sd = model.state_dict()
+        dcp.load(sd, checkpoint_id=path)
+        model.load_state_dict(sd)
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("save_world,load_world", [(2, 2), (2, 3), (3, 1), (4, 2)])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_sharded_state_dict_reshards_through_dcp(ranks, tmp_path, save_world, load_world, use_orig_params):
+    model_name = "gpt" if save_world != 4 else "mlp"
+    saved = ranks.run(save_world, _sharded_save, str(tmp_path), model_name, use_orig_params)[0]
+    for got in ranks.run(load_world, _sharded_load, str(tmp_path), model_name, not use_orig_params if load_world == 3 else use_orig_params):
+        assert list(got) == list(saved)
+        for k in saved:
+            assert torch.equal(saved[k], got[k]), k
+
+
+def test_torch_fsdp_sharded_checkpoint_loads_into_zeroshard(ranks, tmp_path):
+    saved = ranks.run(2, _sharded_save, str(tmp_path), "gpt", False, "torch")[0]
+    for got in ranks.run(3, _sharded_load, str(tmp_path), "gpt", True):
+        assert list(got) == list(saved)
+        for k in saved:
+            assert torch.equal(saved[k], got[k]), k
+
+
+# ------------------------------------------------------------- consolidation
+def test_consolidate_cli_gives_a_plain_state_dict(ranks, tmp_path):
+    import subprocess
+    import sys
+
+    ckpt, out = tmp_path / "ckpt", tmp_path / "full.pt"
+    saved = ranks.run(3, _sharded_save, str(ckpt), "gpt", True)[0]
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.consolidate", str(ckpt), str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    full = torch.load(out, weights_only=True)
+    assert list(full) == list(saved)  # the plain model's keys, in its order
+    plain = build("gpt", seed=1)
+    plain.load_state_dict(full, strict=True)
+    for k, v in plain.state_dict().items():
+        assert torch.equal(v, saved[k]), k
+    bad = subprocess.run([sys.executable, "-m", "zeroshard.consolidate", str(tmp_path), str(out)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "not a torch.distributed.checkpoint directory" in bad.stderr
+
+
+# ------------------------------------------------------------- atomic saves
+_WRITER = """
+import sys, torch
+from zeroshard import checkpoint
+base = int(sys.argv[2])
+print("ready", flush=True)
+for i in range(10_000):  # save until killed
+    v = base + i
+    checkpoint.save({"version": torch.tensor(v), "w": torch.full((2_000_000,), float(v))}, sys.argv[1])
+"""
+
+
+def test_atomic_save_survives_sigkill(tmp_path):
+    import os
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from zeroshard import checkpoint
+
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save({"version": torch.tensor(0), "w": torch.zeros(2_000_000)}, path)
+    rng, last, torn = random.Random(0), 0, 0
+    for round_ in range(1, 7):
+        base = 1000 * round_
+        proc = subprocess.Popen([sys.executable, "-c", _WRITER, str(path), str(base)], stdout=subprocess.PIPE,
+                                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert proc.stdout.readline().strip() == b"ready"
+        time.sleep(rng.uniform(0.02, 0.4))  # lands anywhere in a save (each takes tens of ms)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        torn += any(p.name.endswith(".tmp") for p in tmp_path.iterdir())  # killed inside a save
+        state = checkpoint.load(path)  # never a torn file
+        v = int(state["version"])
+        assert v == last or base <= v < base + 10_000, (v, last, base)
+        assert torch.equal(state["w"], torch.full((2_000_000,), float(v)))
+        last = v
+    assert torn >= 1  # some kill really landed mid-write
+    checkpoint.save({"version": torch.tensor(99)}, path)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # stale temporaries cleaned up
+    assert int(checkpoint.load(path)["version"]) == 99
+
+
+# ------------------------------------------------- prefixed / misshapen FULL
+def _prefixed_and_misshapen(rank, world_size):
+    model, _ = _zs_model("mlp", False)
+    sd = model.state_dict()
+    msgs = []
+    for prefix in ("module.", "_fsdp_wrapped_module."):
+        fresh, _ = _zs_model("mlp", False, seed=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fresh.load_state_dict({prefix + k: v for k, v in sd.items()})
+        msgs += [str(w.message) for w in caught if "stripped" in str(w.message)]
+        got = fresh.state_dict()
+        assert all(torch.equal(got[k], sd[k]) for k in sd)
+    bad = dict(sd)
+    bad["blocks.1.l1.weight"] = torch.zeros(3, 3)
+    try:
+        model.load_state_dict(bad)
+    except ValueError as e:
+        msgs.append(str(e))
+    return msgs
+
+
+def test_full_load_strips_prefixes_with_a_warning_and_names_bad_shapes(ranks):
+    for msgs in ranks.run(2, _prefixed_and_misshapen):
+        assert len(msgs) == 3, msgs
+        assert "'module.'" in msgs[0] and "17 key(s)" in msgs[0] and "'module.scale'" in msgs[0]
+        assert "'_fsdp_wrapped_module.scale'" in msgs[1]
+        assert "'blocks.1.l1.weight'" in msgs[2] and "(3, 3)" in msgs[2] and "(13, 7)" in msgs[2]

@@ -1,0 +1,61 @@
+"""Consolidate a sharded (DCP) checkpoint into one plain ``torch.save`` file.
+
+``python -m zeroshard.consolidate CKPT_DIR OUT.pt [--key model]``
+
+A SHARDED_STATE_DICT checkpoint written with ``torch.distributed.checkpoint``
+holds each parameter as row chunks from every rank plus metadata giving each
+chunk's offsets. This tool reassembles the full tensors in one process, with
+no process group, so that a plain (non-FSDP) model loads the result with
+``load_state_dict(..., strict=True)``: the offline counterpart of
+FULL_STATE_DICT. It needs memory for the whole state dict.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from . import checkpoint
+
+
+def consolidate(ckpt_dir: str, out_path: str, key: str | None = None) -> dict:
+    """Write the full state dict of the DCP checkpoint ``ckpt_dir`` to ``out_path``.
+
+    ``key`` selects one top-level entry (e.g. ``"model"`` when the checkpoint
+    was saved as ``{"model": ..., "optim": ...}``). Returns the state dict.
+    """
+    if not os.path.isfile(os.path.join(ckpt_dir, ".metadata")):
+        raise FileNotFoundError(f"zeroshard.consolidate: '{ckpt_dir}' is not a torch.distributed.checkpoint directory "
+                                "(no .metadata file). Fix: pass the checkpoint_id given to dcp.save.")
+    tmp = out_path + ".full.tmp"
+    # DCP's own offline loader: reads every chunk and places it at its offsets.
+    dcp_to_torch_save(ckpt_dir, tmp)
+    try:
+        state = torch.load(tmp, weights_only=False)
+    finally:
+        os.remove(tmp)
+    if key is not None:
+        if key not in state:
+            raise KeyError(f"zeroshard.consolidate: the checkpoint has no top-level '{key}' (it has {sorted(state)[:8]}).")
+        state = state[key]
+    checkpoint.save(state, out_path)  # atomic: a crash leaves any previous OUT.pt intact
+    return state
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m zeroshard.consolidate", description=__doc__.splitlines()[0])
+    parser.add_argument("ckpt_dir", help="directory written by torch.distributed.checkpoint.save")
+    parser.add_argument("out", help="output file (torch.save format)")
+    parser.add_argument("--key", default=None, help="keep only this top-level entry (e.g. model)")
+    args = parser.parse_args(argv)
+    state = consolidate(args.ckpt_dir, args.out, args.key)
+    tensors = [v for v in state.values() if torch.is_tensor(v)]
+    print(f"wrote {args.out}: {len(state)} entries, {sum(t.numel() for t in tensors)} elements", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
