@@ -1,0 +1,1 @@
+"""Drop-in front ends for scripts written against other FSDP APIs."""

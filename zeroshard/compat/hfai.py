@@ -1,0 +1,91 @@
+"""hfai-style FSDP: scripts written for ``hfai.distributed.fsdp`` run with the
+import changed to ``from zeroshard.compat.hfai import ...``.
+
+The class is zeroshard's engine with hfai's constructor and checkpoint habits:
+
+* ``reshard_after_forward=True`` is ZeRO-3 (FULL_SHARD), ``False`` ZeRO-2
+  (SHARD_GRAD_OP: one all-gather per unit per step instead of two);
+  ``fsdp_group_size=k`` shards within consecutive blocks of k ranks and
+  replicates across blocks (the HYBRID strategies).
+* ``model.summon_full_params()`` is a method; inside it ``state_dict()``
+  returns the full parameters under the plain model's keys **without any
+  collective** (hfai saves on rank 0 only) and ``load_state_dict()`` writes
+  into them, persisting on exit.
+* Outside it, ``state_dict()`` is this rank's flat shards (no communication),
+  tagged with the world and group size so that a load at another layout fails
+  with both named.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn as nn
+
+from .. import state_dict as sd
+from ..fully_sharded import FullyShardedDataParallel as _Engine
+from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
+from ..wrap import size_based_auto_wrap_policy
+
+__all__ = ["FullyShardedDataParallel", "BackwardPrefetch", "size_based_auto_wrap_policy"]
+
+LAYOUT_KEY = "_zeroshard_layout"
+
+
+class FullyShardedDataParallel(_Engine):
+    def __init__(self, module: nn.Module, process_group=None, auto_wrap_policy=None, reshard_after_forward: bool = True,
+                 backward_prefetch: BackwardPrefetch | None = None, forward_prefetch: bool = False,
+                 fsdp_group_size: int | None = None):
+        if fsdp_group_size is None:
+            strategy = ShardingStrategy.FULL_SHARD if reshard_after_forward else ShardingStrategy.SHARD_GRAD_OP
+        else:
+            strategy = ShardingStrategy.HYBRID_SHARD if reshard_after_forward else ShardingStrategy._HYBRID_SHARD_ZERO2
+        super().__init__(module, process_group=process_group, sharding_strategy=strategy, auto_wrap_policy=auto_wrap_policy,
+                         backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
+                         fsdp_group_size=fsdp_group_size)
+        for unit in _Engine.fsdp_modules(self):  # auto-wrapped units are engine instances
+            unit._state_dict_type = StateDictType.LOCAL_STATE_DICT
+        self._fsdp_group_size = fsdp_group_size
+        self._in_summon = False
+
+    @contextlib.contextmanager
+    def summon_full_params(self, recurse: bool = True, writeback: bool = True):
+        """All ranks enter; inside, parameters are full and state_dict() is the plain model's."""
+        with sd.summon_full_params(self, recurse=recurse, writeback=writeback):
+            self._in_summon = True
+            try:
+                yield
+            finally:
+                self._in_summon = False
+
+    def _layout(self) -> dict:
+        replicas = self._replicate_group.size() if self._replicate_group is not None else 1
+        return {"world_size": self.world_size * replicas, "shard_group_size": self.world_size}
+
+    def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
+        if sd.passthrough_active():
+            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if self._in_summon:  # full parameters already here: no collective
+            with sd.plain_module_behaviour():
+                raw = nn.Module.state_dict(self, prefix=prefix, keep_vars=True)
+            return {sd.clean_key(k): v.detach().clone() for k, v in raw.items()}
+        out = super().state_dict(prefix=prefix, keep_vars=keep_vars)
+        out[LAYOUT_KEY] = self._layout()
+        return out
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if self._in_summon:
+            with sd.plain_module_behaviour():
+                actual = {sd.clean_key(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
+            with torch.no_grad():
+                return nn.Module.load_state_dict(self, {actual.get(k, k): v for k, v in state_dict.items()}, strict=strict)
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(LAYOUT_KEY, None)
+        if saved is not None and saved != self._layout():
+            raise ValueError(
+                f"zeroshard.compat.hfai: this local checkpoint was saved with world size {saved['world_size']} and "
+                f"shard group size {saved['shard_group_size']}, but this model runs with world size "
+                f"{self._layout()['world_size']} and shard group size {self._layout()['shard_group_size']}. Fix: load it "
+                "with the same world size and fsdp_group_size, or save a full checkpoint inside summon_full_params()."
+            )
+        return super().load_state_dict(state_dict, strict=strict)

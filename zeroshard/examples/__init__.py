@@ -1,0 +1,1 @@
+"""Runnable examples: ``python -m zeroshard.examples.<name> --help``."""
