@@ -1,0 +1,180 @@
+"""The memory estimator: the ZeRO paper's formulas, agreement with the engine's
+real layouts, and measured model-state bytes after an optimizer step."""
+from __future__ import annotations
+
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zeroshard as zs
+from models import MLP, Block, TinyGPT, TransformerBlock
+from zeroshard.estimate import estimate_model, model_states
+
+GB = 1e9
+
+
+# --------------------------------------------------------------- (1) formulas
+@pytest.mark.parametrize(
+    "strategy,expected",
+    [
+        ("FULL_SHARD", 16 * 7e9 / 64),  # 1.75e9
+        ("SHARD_GRAD_OP", 2 * 7e9 + 14 * 7e9 / 64),  # 15.53125e9
+        ("ZERO1", 4 * 7e9 + 12 * 7e9 / 64),  # 29.3125e9
+        ("NO_SHARD", 16 * 7e9),  # 112e9
+    ],
+)
+def test_paper_formulas_7b_64(strategy, expected):
+    r = model_states(7e9, 64, strategy, "bf16", "paper")
+    assert r.total == expected
+    assert {"FULL_SHARD": 1.75e9, "SHARD_GRAD_OP": 15.53125e9, "ZERO1": 29.3125e9, "NO_SHARD": 112e9}[strategy] == r.total
+
+
+@pytest.mark.parametrize(
+    "psi,n,gb",  # ZeRO paper, Table 1 (GB = 1e9 bytes): DDP, P_os, P_os+g, P_os+g+p
+    [(7.5e9, 64, (120, 31.4, 16.6, 1.88)), (128e9, 1024, (2048, 513, 258, 2)), (1e12, 1024, (16000, 4011, 2013, 15.6))],
+)
+def test_paper_table_1(psi, n, gb):
+    got = [model_states(psi, n, s, "fp16").total / GB for s in ("NO_SHARD", "ZERO1", "SHARD_GRAD_OP", "FULL_SHARD")]
+    assert got == pytest.approx(gb, rel=3e-3)  # the paper prints 3-4 significant digits
+
+
+def test_fp32_split_and_zeroshard_rows():
+    psi, n = 1e9, 8
+    fp32 = {s: model_states(psi, n, s, "none") for s in ("FULL_SHARD", "SHARD_GRAD_OP", "ZERO1", "NO_SHARD")}
+    assert (fp32["FULL_SHARD"].params, fp32["FULL_SHARD"].grads, fp32["FULL_SHARD"].optim) == (4 * psi / n, 4 * psi / n, 8 * psi / n)
+    assert fp32["SHARD_GRAD_OP"].total == 4 * psi + 12 * psi / n
+    assert fp32["ZERO1"].total == 8 * psi + 8 * psi / n
+    assert fp32["NO_SHARD"].total == 16 * psi
+    # zeroshard keeps the fp32 master as the parameter: 16Ψ/N sharded under bf16 too,
+    # plus the gathered bf16 copy (all of it for SHARD_GRAD_OP).
+    z3 = model_states(psi, n, "FULL_SHARD", "bf16", "zeroshard")
+    z2 = model_states(psi, n, "SHARD_GRAD_OP", "bf16", "zeroshard")
+    assert z3.total == z2.total == 16 * psi / n and z3.working_set is None and z2.working_set == 2 * psi
+    assert model_states(psi, n, "NO_SHARD", "none", "zeroshard").working_set == 0
+    assert z3.accounting == "zeroshard FSDP1-style" and fp32["ZERO1"].accounting == "ZeRO paper"
+    with pytest.raises(ValueError, match="ZeRO-1"):
+        model_states(psi, n, "ZERO1", "bf16", "zeroshard")
+
+
+# ------------------------------------------- (2) agreement with the engine
+def _policy(name):
+    return {
+        "mlp": zs.wrap.ModuleWrapPolicy({Block}),
+        "gpt": zs.wrap.ModuleWrapPolicy({TransformerBlock}),
+        "size": functools.partial(zs.wrap.size_based_auto_wrap_policy, min_num_params=150),
+        "size1k": functools.partial(zs.wrap.size_based_auto_wrap_policy, min_num_params=1000),
+    }[name]
+
+
+def _model(name):
+    torch.manual_seed(0)
+    return MLP(n_blocks=4) if name == "mlp" else TinyGPT()
+
+
+def _engine_layouts(rank, world_size, model_name, policy_name, use_orig_params, param_dtype):
+    mp = zs.MixedPrecision(param_dtype=param_dtype) if param_dtype is not None else None
+    model = zs.FSDP(_model(model_name), auto_wrap_policy=_policy(policy_name), use_orig_params=use_orig_params,
+                    mixed_precision=mp)
+    units = zs.FSDP.fsdp_modules(model)
+    return [(u._handle.layout.numel, u._handle.layout.padded_numel, u._handle.layout.shard_numel)
+            if u._handle is not None else (0, 0, 0) for u in units]
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize(
+    "model_name,policy_name,use_orig_params,param_dtype",
+    [("mlp", "mlp", False, None), ("gpt", "gpt", False, None), ("gpt", "gpt", True, torch.bfloat16),
+     ("mlp", "size", True, None), ("gpt", "size1k", False, None)],
+)
+def test_estimate_matches_engine_layouts(ranks, world_size, model_name, policy_name, use_orig_params, param_dtype):
+    est = estimate_model(_model(model_name), world_size, _policy(policy_name), param_dtype=param_dtype,
+                         use_orig_params=use_orig_params)
+    expected = [(u.numel, u.padded_numel, u.shard_numel) for u in est.units]
+    assert len(expected) > 1  # the policy really made nested units
+    for layouts in ranks.run(world_size, _engine_layouts, model_name, policy_name, use_orig_params, param_dtype):
+        assert layouts == expected
+        assert sum(s for _, _, s in layouts) * 16 == est.sharded_bytes  # fp32 master + grad + 2 Adam states
+
+
+def test_estimate_model_without_policy_and_shared_params():
+    est = estimate_model(TinyGPT(), 4)  # one unit; the tied head/embedding weight counted once
+    n = sum(p.numel() for p in TinyGPT().parameters())  # parameters() dedups too
+    assert [u.numel for u in est.units] == [n] and est.psi == n
+    assert est.units[0].shard_numel == -(-n // 4) and est.working_set_bytes == est.units[0].padded_numel * 4
+    with pytest.raises(ValueError, match="shared by units"):  # the engine refuses this wrapping too
+        estimate_model(TinyGPT(), 2, _policy("size"))  # tok and head become units sharing one weight
+    one = estimate_model(MLP(), 1, zs.wrap.ModuleWrapPolicy({Block}))
+    assert one.strategy == "NO_SHARD" and one.working_set_bytes == 0  # the engine switches at world size 1
+
+
+# -------------------------------------------------- (3) measured model states
+def _measured_bytes(rank, world_size, strategy, param_dtype):
+    torch.manual_seed(0)
+    mp = zs.MixedPrecision(param_dtype=param_dtype) if param_dtype is not None else None
+    model = zs.FSDP(MLP(n_blocks=4), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
+                    sharding_strategy=getattr(zs.ShardingStrategy, strategy), mixed_precision=mp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    zs.unsharded_tracker.reset_peaks()
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    params = list(model.parameters())
+    p_bytes = sum(nbytes(p) for p in params)
+    g_bytes = sum(nbytes(p.grad) for p in params if p.grad is not None)
+    o_bytes = step_bytes = 0
+    for st in opt.state.values():
+        for k, v in st.items():
+            if k == "step":  # AdamW's scalar step counter: not a model state, excluded explicitly
+                step_bytes += nbytes(v)
+            else:
+                o_bytes += nbytes(v)
+    return p_bytes, g_bytes, o_bytes, step_bytes, len(params), zs.unsharded_tracker.peak_bytes
+
+
+@pytest.mark.parametrize(
+    "strategy,param_dtype",
+    [("FULL_SHARD", None), ("FULL_SHARD", torch.bfloat16), ("SHARD_GRAD_OP", None), ("NO_SHARD", None)],
+)
+def test_measured_model_states_match_estimate(ranks, strategy, param_dtype):
+    torch.manual_seed(0)
+    est = estimate_model(MLP(n_blocks=4), 2, zs.wrap.ModuleWrapPolicy({Block}), strategy, param_dtype)
+    for p_bytes, g_bytes, o_bytes, step_bytes, n_params, peak in ranks.run(2, _measured_bytes, strategy, param_dtype):
+        assert (p_bytes, g_bytes, o_bytes) == (est.param_bytes, est.grad_bytes, est.optim_bytes)
+        assert p_bytes + g_bytes + o_bytes == est.sharded_bytes
+        assert step_bytes == 4 * n_params  # one float32 scalar per parameter, left out of the estimate
+        # The gathered working set: root + the 2 largest other units (FULL_SHARD), all (ZeRO-2), none (NO_SHARD fp32).
+        assert peak == est.working_set_bytes
+
+
+# --------------------------------------------------------------------- (4) CLI
+def _cli(*args):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-m", "zeroshard.estimate", *args], capture_output=True, text=True,
+                         env=env, check=True)
+    return out.stdout
+
+
+def test_cli_params():
+    out = _cli("--params", "7e9", "--world-size", "64")
+    for s in ("FULL_SHARD", "SHARD_GRAD_OP", "ZERO1", "NO_SHARD"):
+        assert f"| {s} |" in out
+    assert "1,750,000,000 (1.63 GiB)" in out and "15,531,250,000" in out and "29,312,500,000" in out
+    assert "112,000,000,000" in out and "ZeRO paper" in out and "zeroshard FSDP1-style" in out
+
+
+def test_cli_model_and_offload():
+    out = _cli("--model", "models:TinyGPT", "--wrap-class", "TransformerBlock", "--world-size", "3",
+               "--strategy", "FULL_SHARD", "--offload")
+    torch.manual_seed(0)
+    est = estimate_model(TinyGPT(), 3, zs.wrap.ModuleWrapPolicy({TransformerBlock}), param_dtype=torch.bfloat16,
+                         offload=True)
+    assert f"| (root) | {est.units[0].numel:,} |" in out and "| blocks.0 |" in out
+    assert est.gpu_bytes == est.working_set_bytes and est.cpu_bytes == est.sharded_bytes
+    assert f"{est.sharded_bytes:,}" in out and f"{est.working_set_bytes:,}" in out

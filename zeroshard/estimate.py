@@ -1,0 +1,264 @@
+"""Per-rank memory of the model states under each ZeRO stage: the memory model of the
+ZeRO paper (Rajbhandari et al., 2020, section 5 and Table 1) for Adam on N ranks.
+Activations are outside it; zeroshard's gathered-parameter working set is reported apart.
+
+``ZeRO paper`` rows -- mixed-precision Adam: 2 bytes of fp16/bf16 params, 2 of grads and
+K = 12 of fp32 optimizer state (master copy + momentum + variance) per parameter; each
+stage shards one more of the three over N ranks:
+
+    ZeRO-1 (P_os)     : 2Ψ + 2Ψ + 12Ψ/N = 4Ψ + 12Ψ/N
+    ZeRO-2 (P_os+g)   : 2Ψ + (2+12)Ψ/N  = 2Ψ + 14Ψ/N   (SHARD_GRAD_OP)
+    ZeRO-3 (P_os+g+p) : (2+2+12)Ψ/N     = 16Ψ/N        (FULL_SHARD)
+    DDP               : 16Ψ                            (NO_SHARD)
+
+With ``--mixed-precision none`` all is fp32: params 4, grads 4, Adam exp_avg+exp_avg_sq 8
+(the fp32 param is its own master), so ZeRO-1 = 8Ψ + 8Ψ/N, ZeRO-2 = 4Ψ + 12Ψ/N,
+ZeRO-3 = 16Ψ/N, DDP = 16Ψ: the same 16 bytes, split (4, 4, 8) instead of (2, 2, 12).
+
+``zeroshard FSDP1-style`` rows -- what zeroshard (like torch FSDP1) keeps: the master
+shard *is* the parameter, in its own dtype (fp32); MixedPrecision only sets the dtype of
+the gathered compute copy. So the persistent state is 4 + 4 + 8 = 16 bytes per element,
+sharded (16Ψ/N) for FULL_SHARD and SHARD_GRAD_OP (FSDP1 shards ZeRO-2's params at rest
+too), replicated for NO_SHARD, plus a transient working set in the compute dtype:
+FULL_SHARD: the root unit (gathered from forward through backward) + the
+hooks.MAX_LIVE_PREFETCH_UNITS = 2 largest other units (limit_all_gathers' bound with
+prefetch); SHARD_GRAD_OP: every unit (gathered from forward to the end of backward);
+NO_SHARD: nothing if it computes on the shard, else every unit's cast copy (autograd
+holds them until backward). FULL_SHARD's needs unit sizes: give ``--model``, or call
+:func:`estimate_model`, which runs the engine's own wrapping (wrap.auto_wrap) and layout
+(flat_param.build_layout) code without a process group. A unit's unsharded gradient
+(one at a time, before its reduce-scatter) is not counted.
+
+``--offload`` (CPUOffload): params, grads and optimizer state live on CPU; GPU bytes per
+rank are then only the working set.
+
+    python -m zeroshard.estimate --params 7e9 --world-size 64 --strategy all
+    python -m zeroshard.estimate --model mypkg.models:build --wrap-class Block --world-size 8
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from .flat_param import build_layout, collect_params
+from .hooks import MAX_LIVE_PREFETCH_UNITS
+from .options import ShardingStrategy
+from .wrap import ModuleWrapPolicy, auto_wrap
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "ZERO1", "NO_SHARD")
+STAGE = {"FULL_SHARD": "ZeRO-3", "SHARD_GRAD_OP": "ZeRO-2", "ZERO1": "ZeRO-1", "NO_SHARD": "DDP"}
+# Which of (params, grads, optimizer) each stage shards in the paper's model.
+SHARDED = {"FULL_SHARD": (1, 1, 1), "SHARD_GRAD_OP": (0, 1, 1), "ZERO1": (0, 0, 1), "NO_SHARD": (0, 0, 0)}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per rank of each model-state component, and the formula behind them."""
+
+    strategy: str
+    accounting: str
+    params: float
+    grads: float
+    optim: float
+    formula: str
+    working_set: float | None = None  # transient gathered parameters; None = unknown
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optim
+
+
+def bytes_per_param(mixed_precision: str, accounting: str = "paper") -> tuple[int, int, int]:
+    """(param, grad, optimizer) bytes per parameter."""
+    if accounting == "paper" and mixed_precision != "none":
+        return 2, 2, 12  # fp16/bf16 param + grad; fp32 master + momentum + variance (K = 12)
+    return 4, 4, 8  # fp32 param + grad; Adam's two moments (the param is its own master)
+
+
+def model_states(psi: float, world_size: int, strategy: str, mixed_precision: str = "bf16",
+                 accounting: str = "paper") -> ModelStates:
+    """Per-rank model-state bytes of a ``psi``-parameter model on ``world_size`` ranks."""
+    p, g, k = bytes_per_param(mixed_precision, accounting)
+    if accounting != "paper" and strategy == "ZERO1":
+        raise ValueError("zeroshard has no ZeRO-1 strategy; use accounting='paper' for ZERO1")
+    # FSDP1 shards the parameter at rest for SHARD_GRAD_OP too (its gathered copy is transient).
+    sh = SHARDED[strategy if accounting == "paper" or strategy == "NO_SHARD" else "FULL_SHARD"]
+    parts = [c * psi / world_size if s else c * psi for c, s in zip((p, g, k), sh)]
+    formula = " + ".join(f"{c}Ψ/N" if s else f"{c}Ψ" for c, s in zip((p, g, k), sh))
+    ws = None
+    if accounting == "zeroshard" and strategy != "FULL_SHARD":
+        c = DTYPES[mixed_precision].itemsize if DTYPES[mixed_precision] else 4
+        ws = 0 if strategy == "NO_SHARD" and c == p else c * psi
+    label = "ZeRO paper" if accounting == "paper" else "zeroshard FSDP1-style"
+    return ModelStates(strategy, label, parts[0], parts[1], parts[2], formula, ws)
+
+
+@dataclass(frozen=True)
+class UnitEstimate:
+    name: str  # module path in the unwrapped model ("" = root)
+    numel: int  # flat numel (alignment padding included, world-size padding not)
+    padded_numel: int  # all-gathered buffer size: shard_numel * world_size
+    shard_numel: int  # elements each rank keeps
+    trainable: bool
+
+
+@dataclass(frozen=True)
+class ModelEstimate:
+    units: list[UnitEstimate]
+    strategy: str
+    world_size: int
+    psi: int  # unique parameters in the units
+    param_bytes: int  # per rank, master dtype: the (sharded) FlatParameters
+    grad_bytes: int  # their gradients
+    optim_bytes: int  # Adam's exp_avg + exp_avg_sq
+    working_set_bytes: int  # transient gathered parameters, compute dtype
+    offload: bool = False
+
+    @property
+    def sharded_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optim_bytes
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.working_set_bytes + (0 if self.offload else self.sharded_bytes)
+
+    @property
+    def cpu_bytes(self) -> int:
+        return self.sharded_bytes if self.offload else 0
+
+
+def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, strategy="FULL_SHARD",
+                   param_dtype: torch.dtype | None = None, use_orig_params: bool = False,
+                   ignored_modules=None, offload: bool = False) -> ModelEstimate:
+    """The engine's units and layouts for ``model``, computed without a process group.
+
+    Per-rank bytes use Adam (2 states) on the master shard; with use_orig_params=True
+    that is an upper bound, since the optimizer's views exclude alignment padding.
+    """
+    strategy = strategy.name if isinstance(strategy, ShardingStrategy) else strategy
+    if strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
+        raise ValueError(f"estimate_model supports FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, not {strategy}")
+    if world_size == 1:
+        strategy = "NO_SHARD"  # the engine switches too: nothing to shard over
+    ignored = {m for root in (ignored_modules or ()) for m in root.modules()}
+    recorded: list[nn.Module] = []
+    if auto_wrap_policy is not None:
+        # The engine's own traversal; make_unit records the module and leaves the
+        # tree untouched, so the same policy decisions (and numel counts) result.
+        def make_unit(m):
+            recorded.append(m)
+            return m
+
+        auto_wrap(model, auto_wrap_policy, make_unit, ignored, lambda m: m in recorded)
+    unit_set = set(recorded) | {model}
+    order = {m: i for i, m in enumerate(model.modules())}
+    names = {m: n for n, m in model.named_modules()}
+    units, owner, sharded = [], {}, strategy != "NO_SHARD"
+    gathered, state = [], [0, 0, 0]  # (is_root, bytes, casts) per unit; param/grad/optim bytes
+    for m in sorted(unit_set, key=order.__getitem__):  # fsdp_modules() (pre-order) order
+        entries, aliases = collect_params(m, skip=unit_set | ignored)
+        for _, _, fqn, p in entries:
+            if p in owner:  # the engine refuses a parameter owned by two units
+                raise ValueError(f"parameter '{fqn}' is shared by units '{owner[p]}' and '{names[m]}'")
+            owner[p] = names[m]
+        if not entries:
+            units.append(UnitEstimate(names[m], 0, 0, 0, False))
+            continue
+        dtype = entries[0][3].dtype
+        compute = param_dtype or dtype
+        layout = build_layout(entries, aliases, world_size, 0, 16 // compute.itemsize if use_orig_params else 0)
+        u = UnitEstimate(names[m], layout.numel, layout.padded_numel, layout.shard_numel,
+                         any(e[3].requires_grad for e in entries))
+        units.append(u)
+        held = (u.shard_numel if sharded else u.numel) * dtype.itemsize
+        # The master param; its grad and Adam's exp_avg + exp_avg_sq only when trainable.
+        state = [state[0] + held, state[1] + held * u.trainable, state[2] + 2 * held * u.trainable]
+        gathered.append((m is model, (u.padded_numel if sharded else u.numel) * compute.itemsize, compute != dtype))
+    if strategy == "FULL_SHARD":
+        rest = sorted((b for is_root, b, _ in gathered if not is_root), reverse=True)
+        working = sum(b for is_root, b, _ in gathered if is_root) + sum(rest[:MAX_LIVE_PREFETCH_UNITS])
+    elif strategy == "SHARD_GRAD_OP":
+        working = sum(b for _, b, _ in gathered)
+    else:  # NO_SHARD computes on the shard itself unless it must cast or move it
+        working = sum(b for _, b, cast in gathered if cast or offload)
+    return ModelEstimate(units, strategy, world_size, sum(p.numel() for p in owner), *state, working, offload)
+
+
+def _fmt(b) -> str:
+    return "—" if b is None else f"{int(round(b)):,} ({b / 2**30:.2f} GiB)"
+
+
+def table(rows: list[ModelStates], offload: bool) -> str:
+    """Markdown table of ``rows``; GPU/CPU split per rank when offloading."""
+    head = ["strategy", "stage", "accounting", "formula", "params", "grads", "optimizer",
+            "model states/rank", "working set (transient)", "GPU/rank", "CPU/rank"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        # Table 1 models no working set; zeroshard's FULL_SHARD one needs the unit sizes.
+        known = r.working_set is not None
+        ws = _fmt(r.working_set) if known else "not modeled" if r.accounting == "ZeRO paper" else "needs --model"
+        gpu = _fmt((0 if offload else r.total) + (r.working_set or 0)) + ("" if known else " + working set")
+        cells = [r.strategy, STAGE[r.strategy], r.accounting, r.formula, _fmt(r.params), _fmt(r.grads), _fmt(r.optim),
+                 _fmt(r.total), ws, gpu, _fmt(r.total if offload else 0)]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main(argv=None) -> str:
+    ap = argparse.ArgumentParser(prog="python -m zeroshard.estimate", description=__doc__.split("\n")[0])
+    ap.add_argument("--params", type=float, help="number of parameters Ψ (e.g. 7e9)")
+    ap.add_argument("--model", help="module:function returning an nn.Module (built on the meta device)")
+    ap.add_argument("--wrap-class", help="class name for ModuleWrapPolicy (with --model)")
+    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--strategy", default="all", choices=[*STRATEGIES, "all"])
+    ap.add_argument("--mixed-precision", default="bf16", choices=list(DTYPES))
+    ap.add_argument("--offload", action="store_true", help="params/grads/optimizer state on CPU")
+    a = ap.parse_args(argv)
+    if (a.params is None) == (a.model is None):
+        ap.error("give exactly one of --params and --model")
+    strategies = STRATEGIES if a.strategy == "all" else (a.strategy,)
+    lines, model_est = [], {}  # strategy -> ModelEstimate from the real layouts
+    if a.model:
+        mod, _, fn = a.model.partition(":")
+        with torch.device("meta"):  # sizes only: no memory for the weights
+            model = getattr(importlib.import_module(mod), fn)()
+        classes = {type(m) for m in model.modules() if type(m).__name__ == a.wrap_class}
+        if a.wrap_class and not classes:
+            ap.error(f"no module of class {a.wrap_class} in the model")
+        policy = ModuleWrapPolicy(classes) if classes else None
+        model_est = {s: estimate_model(model, a.world_size, policy, s, DTYPES[a.mixed_precision], offload=a.offload)
+                     for s in strategies if s != "ZERO1"}
+        est = next(iter(model_est.values()), None) or estimate_model(model, a.world_size, policy)
+        psi = est.psi
+        lines += [f"Units of {a.model} on {a.world_size} ranks ({est.strategy}):", "",
+                  "| unit | numel | padded numel | shard numel/rank |", "|---|---|---|---|"]
+        lines += [f"| {u.name or '(root)'} | {u.numel:,} | {u.padded_numel:,} | {u.shard_numel:,} |" for u in est.units]
+        lines.append("")
+    else:
+        psi = a.params
+    rows = []
+    for s in strategies:
+        rows.append(model_states(psi, a.world_size, s, a.mixed_precision, "paper"))
+        if s == "ZERO1":
+            continue  # zeroshard has no ZeRO-1 strategy: paper row only
+        r = model_states(psi, a.world_size, s, a.mixed_precision, "zeroshard")
+        if s in model_est:  # exact per-rank bytes from the real layouts (padding included)
+            e = model_est[s]
+            r = ModelStates(s, r.accounting + " (model layout)", e.param_bytes, e.grad_bytes, e.optim_bytes,
+                            r.formula, e.working_set_bytes)
+        rows.append(r)
+    lines.append(f"Model-state memory per rank: Ψ = {psi:,.0f}, N = {a.world_size}, "
+                 f"mixed precision = {a.mixed_precision}, offload = {a.offload}")
+    lines += ["", table(rows, a.offload)]
+    text = "\n".join(lines)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
