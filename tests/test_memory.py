@@ -72,3 +72,24 @@ def test_limit_all_gathers_bounds_live_units(ranks):
     # prefetching and the peak drops to one.
     assert max(ranks.run(2, _peak_units, True, 1)[0]) == 1
     assert max(ranks.run(2, _peak_units, False, 1)[0]) == 2
+
+
+def _dropped_model_is_freed(rank, world_size, use_orig_params):
+    import gc
+    import weakref
+
+    model = zs.FSDP(MLP(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    model(torch.randn(4, 5))  # a forward without backward leaves the root gathered
+    ref, shard = weakref.ref(model), weakref.ref(model._handle.flat_param)
+    del model, opt
+    gc.collect()
+    return ref() is None and shard() is None and not any(True for _ in zs.unsharded_tracker.live)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_dropped_model_is_garbage_collected(ranks, use_orig_params):
+    """Hooks held by C++ (on the FlatParameter) must not keep the wrapper alive."""
+    assert all(ranks.run(2, _dropped_model_is_freed, use_orig_params))

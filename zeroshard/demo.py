@@ -8,16 +8,18 @@ Run: ``python -m zeroshard demo --world-size 2 --steps 20``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import time
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from . import comm
+from . import comm, trace
 from .fully_sharded import FullyShardedDataParallel
 from .handle import unsharded_tracker
 from .options import BackwardPrefetch, ShardingStrategy
@@ -102,7 +104,8 @@ def _train(rank, world_size, args, engine, text_ids, vocab):
     for step, (x, y) in enumerate(_batches(text_ids, rank, args["steps"], args["batch"], args["ctx"])):
         t0 = time.perf_counter()
         unsharded_tracker.reset_peaks()
-        with comm.comm_stats() as stats:
+        traced = args.get("trace") and engine == "zeroshard" and step == args["steps"] - 1
+        with comm.comm_stats() as stats, (trace.record(rank) if traced else contextlib.nullcontext()) as tl:
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             model.clip_grad_norm_(1.0)
@@ -114,7 +117,25 @@ def _train(rank, world_size, args, engine, text_ids, vocab):
             print(f"step {step:3d}  loss {loss.item():.4f}  {x.numel() * world_size / dt:8.0f} tok/s  "
                   f"peak unsharded {unsharded_tracker.peak_bytes / 1e6:6.2f} MB  "
                   f"sent {stats.total_bytes() / 1e6:6.2f} MB", flush=True)
+        if traced:
+            _write_trace(tl, rank, world_size, args["trace"])
     return losses
+
+
+def _write_trace(tl, rank, world_size, out):
+    """Each rank writes OUT.rank{r}.json; rank 0 merges them into OUT (and OUT.png with matplotlib)."""
+    stem = out[:-5] if out.endswith(".json") else out
+    tl.to_chrome_trace(f"{stem}.rank{rank}.json")
+    dist.barrier()
+    if rank != 0:
+        return
+    trace.merge([f"{stem}.rank{r}.json" for r in range(world_size)], out)
+    print(f"trace: wrote {out} (merged from {stem}.rank{{0..{world_size - 1}}}.json; open in https://ui.perfetto.dev)", flush=True)
+    try:
+        png = trace.plot_trace(out, f"{stem}.png")
+        print(f"trace: wrote {png}", flush=True)
+    except RuntimeError as e:  # no matplotlib: the JSON is enough
+        print(f"trace: no PNG ({e})", flush=True)
 
 
 def _run(rank, world_size, args):
@@ -136,7 +157,11 @@ def main(argv=None):
     p.add_argument("--ctx", type=int, default=64)
     p.add_argument("--chars", type=int, default=200_000)
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip the torch FSDP1 reference run")
+    p.add_argument("--trace", metavar="OUT.json", default=None,
+                   help="record zeroshard's last step: OUT.rank{r}.json per rank, merged into OUT.json (+ OUT.png with matplotlib)")
     args = vars(p.parse_args(argv))
+    if args["trace"]:
+        args["trace"] = os.path.abspath(args["trace"])
     results = spawn(_run, args["world_size"], args, timeout=max(300.0, 5.0 * args["steps"]))
     ours, ref = results[0]
     first, last = ours[0], ours[-1]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -120,7 +121,11 @@ class FullyShardedDataParallel(nn.Module):
             self._handle.flat_param_host = module
             if not use_orig_params:
                 module._parameters[FLAT_PARAM] = flat
-            flat.register_post_accumulate_grad_hook(lambda p: hooks.post_backward(self, p))
+            # The hook lives in C++ (on the tensor), out of the garbage
+            # collector's sight: a strong reference to self would keep every
+            # wrapped model alive forever.
+            unit = weakref.ref(self)
+            flat.register_post_accumulate_grad_hook(lambda p: hooks.post_backward(unit(), p))
         self._is_root: bool | None = None
         self._runtime: hooks.RootRuntime | None = None
         self._sync_gradients = True

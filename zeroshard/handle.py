@@ -17,12 +17,14 @@ Gradient reduction lives in ``reduce``; when these steps run is ``hooks``'s job.
 from __future__ import annotations
 
 import enum
+import gc
+import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm
+from . import comm, trace
 from .flat_param import FlatLayout, FlatParameter, build_layout, flatten_params, shard_of
 from .options import ShardingStrategy
 
@@ -39,34 +41,37 @@ class HandleState(enum.Enum):
 
 
 class LiveUnshardedTracker:
-    """Counts units whose unsharded buffer is allocated: the ZeRO-3 working set.
+    """Which units have their unsharded buffer allocated: the ZeRO-3 working
+    set of this process, with peaks, for tests, the demo and the estimator.
 
-    ``limit_all_gathers`` reads it to refuse prefetches beyond two units, and
-    tests and the demo read the peaks.
+    Handles are held weakly, so a model dropped while a unit was gathered
+    (a forward without backward) does not linger in the counts.
     """
 
     def __init__(self):
-        self.live: dict[int, int] = {}  # id(handle) -> bytes, root unit included
-        self.live_non_root = 0
+        self.live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # handle -> bytes
         self.peak_units = self.peak_non_root_units = 0
         self.peak_bytes = 0
 
     def add(self, handle: "FlatParamHandle"):
-        self.live[id(handle)] = handle.padded_bytes
-        self.live_non_root += not handle.is_root
+        self.live[handle] = handle.padded_bytes
         self.peak_units = max(self.peak_units, len(self.live))
         self.peak_non_root_units = max(self.peak_non_root_units, self.live_non_root)
         self.peak_bytes = max(self.peak_bytes, self.live_bytes)
 
     def remove(self, handle: "FlatParamHandle"):
-        if self.live.pop(id(handle), None) is not None:
-            self.live_non_root -= not handle.is_root
+        self.live.pop(handle, None)
+
+    @property
+    def live_non_root(self) -> int:
+        return sum(not h.is_root for h in list(self.live))
 
     @property
     def live_bytes(self) -> int:
         return sum(self.live.values())
 
     def reset_peaks(self):
+        gc.collect()  # drop units of models that are gone but sit in reference cycles
         self.peak_units, self.peak_non_root_units = len(self.live), self.live_non_root
         self.peak_bytes = self.live_bytes
 
@@ -176,13 +181,18 @@ class FlatParamHandle:
             self._full = src
         self.unsharded = True
         unsharded_tracker.add(self)
+        if trace._active:
+            trace.unsharded(self.unit_name, unsharded_tracker.live_bytes, gathered=self.sharded)
 
     def wait_unshard(self, full_precision: bool = False):
         """Finish the all-gather and point the parameters at the full tensors."""
         self.unshard(full_precision)
         if self._gather_work is not None:
+            t = trace._active and trace.now()
             self._gather_work.wait()
             self._gather_work = None
+            if trace._active:
+                trace.gather_waited(self.unit_name, t)
         self.flat_param.data = self._full[: self.layout.numel]
         self.use_unsharded_views()
 
@@ -203,6 +213,7 @@ class FlatParamHandle:
     # ------------------------------------------------------------------ reshard
     def reshard(self, free: bool):
         """Point back at the local shard; with ``free``, release the full buffer."""
+        was_unsharded = self.unsharded
         self.flat_param.data = self.local_shard
         # A NO_SHARD low-precision copy is dropped at every reshard: the next
         # use re-casts the (possibly updated) shard.
@@ -218,6 +229,8 @@ class FlatParamHandle:
         if self.use_orig_params:
             self.use_sharded_views()
         self.prefetched = False
+        if trace._active:
+            trace.resharded(self.unit_name, self.padded_bytes if was_unsharded and not self.unsharded else 0, unsharded_tracker.live_bytes)
 
     def use_sharded_views(self):
         """With ``use_orig_params``, re-register the original nn.Parameters as

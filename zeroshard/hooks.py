@@ -18,13 +18,15 @@ forward just before this one runs backward just after it.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
-from . import reduce
-from .handle import RESHARD_AFTER_FORWARD, HandleState, unsharded_tracker
+from . import reduce, trace
+from .handle import RESHARD_AFTER_FORWARD, HandleState
 from .options import BackwardPrefetch
 
 MAX_LIVE_PREFETCH_UNITS = 2  # limit_all_gathers: non-root units unsharded at once
@@ -54,19 +56,48 @@ def _unshard_for_compute(state, handle):
 def _prefetch(state, handle, target):
     if target is None or target.prefetched or target.unsharded:
         return
-    if state.limit_all_gathers and unsharded_tracker.live_non_root >= MAX_LIVE_PREFETCH_UNITS:
+    if state.limit_all_gathers and _live_non_root(state._runtime) >= MAX_LIVE_PREFETCH_UNITS:
         return  # rate limit: the unit will unshard on demand instead
     target.unshard()
     target.prefetched = True
+
+
+def _live_non_root(rt) -> int:
+    # Counted per model: another model's gathered units must not throttle this one.
+    return sum(h.unsharded and h.sharded and not h.is_root for h in rt.handles)
 
 
 def _reshard(handle, free: bool):
     handle.reshard(free)
 
 
+@torch.no_grad()
+def _recover_from_interrupted_backward(rt):
+    """An exception inside backward (caught by the user, e.g. an OOM on one
+    batch) skips the end-of-backward callback. Complete the reductions already
+    issued (the other ranks issued them too), discard the partial gradients
+    they carry, and return every unit to its sharded, idle state so the next
+    step trains normally instead of silently computing no gradients."""
+    warnings.warn("zeroshard: the previous backward did not complete (an exception inside it?); its partial "
+                  "gradients were discarded and all units were resharded.", stacklevel=3)
+    reduce.finish_reductions(rt.pending)
+    for state in rt.states:
+        h = state._handle
+        if h is None:
+            continue
+        h.saved_grad_shard = None
+        if h.sharded:
+            h.reshard(free=True)
+        h.state = HandleState.IDLE
+        h.ran_pre_backward = h.needs_pre_backward_unshard = h.post_backward_called = h.prefetched = False
+    rt.callback_queued = False
+
+
 # ----------------------------------------------------------------- forward
 def root_pre_forward(state):
     rt = state._runtime
+    if rt.callback_queued:  # the last backward never reached its end: it raised
+        _recover_from_interrupted_backward(rt)
     rt.post_forward_order.clear()
     for h in rt.handles:
         h.post_forward_index = None
@@ -88,6 +119,8 @@ def pre_forward(state):
         handle.pre_forward_index = len(rt.pre_forward_order)
         rt.pre_forward_order.append(handle)
     _unshard_for_compute(state, handle)
+    if trace._active:
+        trace.span_begin("forward", handle.unit_name)
     handle.needs_pre_forward_unshard = False
     if state.forward_prefetch and not rt.first_iter and handle.pre_forward_index is not None:
         nxt = handle.pre_forward_index + 1
@@ -103,6 +136,8 @@ def post_forward(state, output):
         rt = state._runtime
         handle.post_forward_index = len(rt.post_forward_order)
         rt.post_forward_order.append(handle)
+        if trace._active:
+            trace.span_end("forward", handle.unit_name)
         # The root keeps its parameters for backward, which starts with it;
         # ZeRO-2 keeps them all. Without grad mode no backward will come to
         # free them, and a shard changed meanwhile (optimizer, load) would
@@ -142,6 +177,8 @@ def pre_backward(state):
     handle.state = HandleState.BACKWARD_PRE
     if handle.needs_pre_backward_unshard:
         _unshard_for_compute(state, handle)
+    if trace._active:
+        trace.span_begin("backward", handle.unit_name)
     handle.needs_pre_backward_unshard = False
     if state.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
         _prefetch(state, handle, _backward_target(rt, handle))
@@ -168,6 +205,8 @@ def post_backward(state, flat_param):
     handle = state._handle
     handle.post_backward_called = True
     handle.state = HandleState.BACKWARD_POST
+    if trace._active:
+        trace.span_end("backward", handle.unit_name)
     if flat_param.grad is None:
         return
     if flat_param.grad.requires_grad:
@@ -189,6 +228,8 @@ def post_backward_final(root):
     for state in rt.states:
         handle = state._handle
         if handle is not None:
+            if trace._active:  # a unit whose post-backward hook never ran
+                trace.span_end("backward", handle.unit_name)
             if handle.unsharded and handle.sharded:  # e.g. outputs unused by the loss
                 _reshard(handle, _free_in_backward(state, handle))
             if handle.flat_param.requires_grad and state._sync_gradients:

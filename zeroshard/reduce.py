@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import comm
+from . import comm, trace
 
 
 def divide_factors(world_size: int) -> tuple[float, float]:
@@ -46,9 +46,13 @@ class PendingReduction:
 
     def __init__(self, handle, work, out: torch.Tensor, inp: torch.Tensor, post: float):
         self.handle, self.work, self.out, self.inp, self.post = handle, work, out, inp, post
+        if trace._active:
+            trace.span_begin("reduce_scatter" if handle.sharded else "all_reduce", handle.unit_name)
 
     def finish(self):
         self.work.wait()
+        if trace._active:
+            trace.span_end("reduce_scatter" if self.handle.sharded else "all_reduce", self.handle.unit_name)
         self.inp = None  # the send buffer may be freed now
         h = self.handle
         if h.replicate_group is not None:  # HSDP: the shard is summed across replicas too
