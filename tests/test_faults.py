@@ -1,0 +1,306 @@
+"""Faults during training end in a named error instead of a hang, and a
+checkpoint save killed at any moment loses nothing.
+
+Each training scenario runs in fresh processes (``spawn``; a fault leaves a
+process group unusable) with a short process-group timeout and an overall
+deadline. The errors these tests pin are listed, verbatim, in the README's
+reliability section.
+"""
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import time
+
+import pytest
+import torch
+
+import zeroshard as zs
+from models import MLP, Block, batch
+from zeroshard import checkpoint
+from zeroshard.comm import CollectiveError
+from zeroshard.testing import spawn
+
+PG_TIMEOUT = 5.0  # seconds; a peer that neither answers nor dies is detected after this
+SPAWN_TIMEOUT = 90.0
+
+
+def _model():
+    torch.manual_seed(0)
+    return zs.FSDP(MLP(n_blocks=3), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+
+
+def _step(model, opt, rank, step):
+    model(batch("mlp", rank, step)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _timed(fn, flag_path=None):
+    """Run ``fn``; a CollectiveError gets a note saying how long it took to
+    surface, and ``flag_path`` is created so a lingering peer can exit."""
+    start = time.monotonic()
+    try:
+        return fn()
+    except CollectiveError as e:
+        e.add_note(f"[surfaced after {time.monotonic() - start:.2f}s]")
+        raise
+    finally:
+        if flag_path is not None:
+            open(flag_path, "w").close()
+
+
+def _linger(flag_path, limit=60.0):
+    """Stay alive (in no collective) until the peer has failed: a rank stuck
+    elsewhere, e.g. in data loading or an error handler."""
+    deadline = time.monotonic() + limit
+    while not os.path.exists(flag_path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def _surfaced_after(msg: str) -> float:
+    found = re.findall(r"\[surfaced after ([0-9.]+)s\]", msg)
+    assert found, msg
+    return float(found[0])
+
+
+def _assert_named_collective_error(msg: str, rank: int, collective: str):
+    """The survivor's error names itself, the collective, the lifecycle step and the unit."""
+    assert "zeroshard.comm.CollectiveError" in msg, msg
+    assert f"zeroshard: rank {rank}: {collective} for " in msg, msg
+    assert re.search(r"unit '(<root>|blocks\.\d) \((MLP|Block)\)'", msg), msg
+    assert "different number of forward/backward calls" in msg, msg  # the hint covers this fault
+
+
+# ------------------------------------------- 3. uneven forward/backward counts
+def _extra_step(rank, world_size, flag_path, linger):
+    """Rank 0 runs one more training step than rank 1 (a classic FSDP hang:
+    e.g. an uneven last batch). Rank 1 then exits, or lingers."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    for step in range(3):
+        _step(model, opt, rank, step)
+    if rank == 0:
+        _timed(lambda: _step(model, opt, rank, 3), flag_path)
+    elif linger:
+        _linger(flag_path)
+    return "finished"
+
+
+def test_extra_step_on_one_rank_raises_named_error_when_peer_exits(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RuntimeError) as info:
+        spawn(_extra_step, 2, str(tmp_path / "flag"), False, timeout=SPAWN_TIMEOUT, pg_timeout=20)
+    msg = str(info.value)
+    # Rank 1 finished its (shorter) loop and exited; rank 0's first all-gather
+    # of the extra step then fails at once, naming the root unit.
+    assert "--- rank 1 ---" not in msg, msg
+    _assert_named_collective_error(msg, 0, "all_gather")
+    assert "unshard (forward/backward) of unit '<root> (MLP)'" in msg, msg
+    assert "Connection closed by peer" in msg, msg
+    assert _surfaced_after(msg) < 20  # well within the process group's timeout
+    assert time.monotonic() - start < SPAWN_TIMEOUT
+
+
+def test_extra_step_on_one_rank_times_out_when_peer_lingers(tmp_path):
+    with pytest.raises(RuntimeError) as info:
+        spawn(_extra_step, 2, str(tmp_path / "flag"), True, timeout=SPAWN_TIMEOUT, pg_timeout=PG_TIMEOUT)
+    msg = str(info.value)
+    # Rank 1 stays alive but never joins: rank 0 hangs only until the
+    # process group's timeout, then names the all-gather it waited on.
+    assert "--- rank 1 ---" not in msg, msg
+    _assert_named_collective_error(msg, 0, "all_gather")
+    assert "timed out (the process group's timeout)" in msg, msg
+    assert PG_TIMEOUT - 0.5 < _surfaced_after(msg) < PG_TIMEOUT + 5, msg
+
+
+def _extra_no_grad_forward(rank, world_size):
+    """Rank 0 runs an extra evaluation forward (no_grad) between two steps."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    for step in range(3):
+        if rank == 0 and step == 1:
+            with torch.no_grad():
+                model(batch("mlp", rank, 50))
+        _step(model, opt, rank, step)
+    return "finished"
+
+
+def test_extra_no_grad_forward_on_one_rank_fails_fast():
+    """The collectives then line up with the peer's *next* ones (all-gathers
+    of other units, of other sizes). gloo detects the size mismatch and
+    aborts the receiving process (std::terminate on gloo::EnforceNotMet,
+    'Received data size doesn't match expected size'), which zeroshard cannot
+    catch; the other rank reports a named CollectiveError. No hang, no
+    silently wrong parameters."""
+    with pytest.raises(RuntimeError) as info:
+        spawn(_extra_no_grad_forward, 2, timeout=SPAWN_TIMEOUT, pg_timeout=20)
+    msg = str(info.value)
+    assert "exited with code -6 without a report" in msg, msg  # SIGABRT from gloo
+    assert "zeroshard.comm.CollectiveError: zeroshard: rank " in msg, msg
+    assert re.search(r"unit '(<root>|blocks\.\d) \((MLP|Block)\)'", msg), msg
+
+
+# ------------------------------------------- 4. an exception inside backward
+class InjectedFault(RuntimeError):
+    pass
+
+
+def _arm_backward_fault(model, once=False):
+    """Raise from inside backward, when the gradient reaches blocks.1."""
+    armed = [True]
+
+    def hook(module, grad_output):
+        if armed[0]:
+            armed[0] = not once
+            raise InjectedFault("injected fault in the backward of blocks.1")
+
+    model.blocks[1].module.register_full_backward_pre_hook(hook)
+
+
+def _raise_in_backward(rank, world_size, flag_path, linger):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _step(model, opt, rank, 0)
+    if rank == 1:
+        _arm_backward_fault(model)
+        try:
+            _step(model, opt, rank, 1)
+        except InjectedFault:
+            if not linger:
+                raise
+            _linger(flag_path)  # caught, e.g. by an error handler that reports before exiting
+            return "caught"
+    else:
+        _timed(lambda: _step(model, opt, rank, 1), flag_path)
+    return "finished"
+
+
+def test_exception_in_backward_on_one_rank_fails_the_other(tmp_path):
+    with pytest.raises(RuntimeError) as info:
+        spawn(_raise_in_backward, 2, str(tmp_path / "flag"), False, timeout=SPAWN_TIMEOUT, pg_timeout=20)
+    msg = str(info.value)
+    assert "InjectedFault: injected fault in the backward of blocks.1" in msg, msg  # rank 1's own cause
+    rank0 = msg.split("--- rank 0 ---")[1].split("--- rank 1 ---")[0]
+    # Rank 0 was waiting for the reduce-scatter of the unit whose backward rank 1 never finished.
+    _assert_named_collective_error(rank0, 0, "reduce_scatter")
+    assert "post-backward gradient of unit 'blocks.1 (Block)'" in rank0, rank0
+    assert _surfaced_after(rank0) < 20, rank0
+
+
+def test_exception_in_backward_with_lingering_rank_times_out_the_other(tmp_path):
+    with pytest.raises(RuntimeError) as info:
+        spawn(_raise_in_backward, 2, str(tmp_path / "flag"), True, timeout=SPAWN_TIMEOUT, pg_timeout=PG_TIMEOUT)
+    msg = str(info.value)
+    assert "--- rank 1 ---" not in msg, msg
+    _assert_named_collective_error(msg, 0, "reduce_scatter")
+    assert "post-backward gradient of unit 'blocks.1 (Block)' timed out (the process group's timeout)" in msg, msg
+    assert PG_TIMEOUT - 0.5 < _surfaced_after(msg) < PG_TIMEOUT + 5, msg
+
+
+def _train_on_after_caught_backward_fault(rank, world_size):
+    """Both ranks hit the same exception in the same backward (like an OOM on
+    one too-long batch), catch it, skip the batch and train on: the result is
+    bit-identical to a run that never saw that batch (the partial gradients of
+    the interrupted backward are discarded, not added to the next step's)."""
+    model, clean = _model(), _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    opt_clean = torch.optim.AdamW(clean.parameters(), lr=1e-2)
+    _step(model, opt, rank, 0)
+    _step(clean, opt_clean, rank, 0)
+    _arm_backward_fault(model, once=True)
+    try:
+        _step(model, opt, rank, 1)
+    except InjectedFault:
+        opt.zero_grad()
+    before = [p.detach().clone() for p in model.parameters()]
+    for step in range(2, 5):
+        _step(model, opt, rank, step)
+        _step(clean, opt_clean, rank, step)
+    moved = [not torch.equal(a, b) for a, b in zip(before, model.parameters())]
+    same = [torch.equal(a, b) for a, b in zip(model.parameters(), clean.parameters())]
+    return all(moved) and all(same)
+
+
+def test_training_resumes_after_an_exception_caught_in_backward():
+    assert all(spawn(_train_on_after_caught_backward_fault, 2, timeout=SPAWN_TIMEOUT, pg_timeout=20))
+
+
+# ------------------------------------------- 5. SIGKILL during checkpoint.save
+_NUMEL = 1_000_000  # x 5 tensors x 4 bytes = 20 MB per checkpoint
+
+
+def _version(v: int) -> dict:
+    """Checkpoint number ``v``: every tensor's content is derived from ``v``, so a
+    file mixing two versions (or a torn one) cannot pass for either."""
+    state = {"version": torch.tensor(v)}
+    for k in range(5):
+        state[f"t{k}"] = torch.full((_NUMEL,), v + k / 8)
+    return state
+
+
+def _is_version(state: dict, v: int) -> bool:
+    expected = _version(v)
+    return list(state) == list(expected) and all(torch.equal(state[k], expected[k]) for k in expected)
+
+
+def _save_in_child(state: dict, path) -> tuple[int, int]:
+    """Fork a child that saves ``state`` to ``path`` once. Returns (pid, fd
+    of a pipe on which the child writes b"r" just before and b"d" just after
+    the save). Forked, not exec'd: a fresh interpreter would spend seconds
+    importing torch per round."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # child: never returns into pytest
+        code = 1
+        try:
+            os.close(r)
+            os.write(w, b"r")
+            checkpoint.save(state, path)
+            os.write(w, b"d")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(w)
+    assert os.read(r, 1) == b"r"
+    return pid, r
+
+
+def test_checkpoint_save_killed_at_random_moments_loses_nothing(tmp_path):
+    """(tests/test_checkpoint.py has a 6-round version with an exec'd writer
+    script saving in a loop; it has no helper functions to share.) Here: 20
+    rounds, one save of version v+1 over version v per round, SIGKILL at a
+    random moment spread over the save's duration."""
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save(_version(0), path)
+    t = time.perf_counter()
+    checkpoint.save(_version(0), path)  # calibrate: how long one save takes here
+    save_s = time.perf_counter() - t
+    rng = random.Random(1234)
+    current, outcomes = 0, {"old": 0, "new": 0, "torn_tmp": 0}
+    for _ in range(20):
+        new = current + 1
+        state = _version(new)
+        pid, pipe = _save_in_child(state, path)
+        time.sleep(rng.uniform(0, 1.5 * save_s))  # before, inside (write, fsync, rename) or after the save
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        completed = os.read(pipe, 1) == b"d"
+        os.close(pipe)
+        temporaries = [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+        assert len(temporaries) <= 1, temporaries  # each save clears the stale one a killed save left
+        outcomes["torn_tmp"] += bool(temporaries)
+        loaded = checkpoint.load(path)  # never a torn file
+        if _is_version(loaded, new):
+            current = new
+            outcomes["new"] += 1
+        else:
+            assert not completed, "a save that returned was lost"
+            assert _is_version(loaded, current), f"neither version {current} nor {new}: {int(loaded['version'])}"
+            outcomes["old"] += 1
+    # The kills landed on both sides of the rename and really inside writes.
+    assert outcomes["old"] >= 1 and outcomes["new"] >= 1 and outcomes["torn_tmp"] >= 1, outcomes
+    checkpoint.save(_version(current), path)
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # stale temporaries cleaned up
