@@ -161,6 +161,11 @@ class FlatParamHandle:
             self._full_buffers[dtype] = buf
         return self._full_buffers[dtype]
 
+    def end_iteration(self):
+        """Back to idle after a backward: the next forward starts afresh."""
+        self.state = HandleState.IDLE
+        self.ran_pre_backward = self.needs_pre_backward_unshard = self.prefetched = False
+
     # ------------------------------------------------------------------ unshard
     def unshard(self, full_precision: bool = False):
         """Issue the all-gather (asynchronously); :meth:`wait_unshard` completes it.

@@ -86,10 +86,10 @@ def _recover_from_interrupted_backward(rt):
         if h is None:
             continue
         h.saved_grad_shard = None
+        h.post_backward_called = False
         if h.sharded:
             h.reshard(free=True)
-        h.state = HandleState.IDLE
-        h.ran_pre_backward = h.needs_pre_backward_unshard = h.post_backward_called = h.prefetched = False
+        h.end_iteration()
     rt.callback_queued = False
 
 
@@ -234,9 +234,6 @@ def post_backward_final(root):
                 _reshard(handle, _free_in_backward(state, handle))
             if handle.flat_param.requires_grad and state._sync_gradients:
                 handle.prepare_gradient_for_optim()
-            handle.state = HandleState.IDLE
-            handle.ran_pre_backward = False
-            handle.needs_pre_backward_unshard = False
-            handle.prefetched = False
+            handle.end_iteration()
     rt.first_iter = False
     rt.callback_queued = False
