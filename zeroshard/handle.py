@@ -21,10 +21,9 @@ import gc
 import weakref
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm, trace
+from . import comm, trace, validation
 from .flat_param import FlatLayout, FlatParameter, build_layout, flatten_params, shard_of
 from .options import ShardingStrategy
 
@@ -96,7 +95,7 @@ class FlatParamHandle:
         self.use_orig_params = use_orig_params
         self.unit_name = unit_name
         params = [e[3] for e in entries]
-        _check_uniform(entries, use_orig_params, unit_name)
+        validation.check_uniform(entries, use_orig_params, unit_name)
         self.dtype = dtype = params[0].dtype
         # Mixed precision: the shard (the optimizer's master copy) keeps its
         # dtype; all-gather, forward and backward run in compute_dtype and the
@@ -107,7 +106,7 @@ class FlatParamHandle:
         # views handed to the optimizer and kernels aligned; torch FSDP1 does too.
         align = 16 // self.compute_dtype.itemsize if use_orig_params else 0
         self.layout: FlatLayout = build_layout(entries, aliases, self.world_size, self.rank, align)
-        _check_same_layout(self.layout, dtype, group, unit_name)
+        validation.check_same_layout(self.layout, dtype, group, unit_name)
         flat = flatten_params(self.layout, params)
         self.local_shard = shard_of(flat, self.layout) if self.sharded else flat
         del flat
@@ -374,54 +373,3 @@ def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, in_parameter
         module._parameters[name] = tensor
     else:
         module.__dict__[name] = tensor
-
-
-def _check_same_layout(layout: FlatLayout, dtype, group, unit_name: str):
-    """Ranks that wrapped different models would all-gather mismatched
-    buffers (garbage or a hang); compare the layouts once, at construction."""
-    mine = (str(dtype), [(p.fqn, tuple(p.shape)) for p in layout.params])
-    if group.size() == 1:
-        return
-    everyone = [None] * group.size()
-    try:
-        dist.all_gather_object(everyone, mine, group=group)
-    except RuntimeError as e:
-        raise comm.CollectiveError(f"zeroshard: rank {dist.get_rank()}: comparing the layout of unit '{unit_name}' "
-                                   f"across ranks failed ({e}); ranks may be wrapping different models.") from e
-    for r, theirs in enumerate(everyone):
-        if theirs == mine:
-            continue
-        if theirs[0] != mine[0]:
-            diff = f"dtype {theirs[0]} on rank {r} vs {mine[0]} here"
-        else:
-            pairs = list(zip(theirs[1], mine[1]))
-            i = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-            a = theirs[1][i] if i < len(theirs[1]) else "nothing"
-            b = mine[1][i] if i < len(mine[1]) else "nothing"
-            diff = f"parameter #{i}: rank {r} has {a}, rank {dist.get_rank()} has {b}"
-        raise ValueError(
-            f"zeroshard: unit '{unit_name}' has a different layout on different ranks ({diff}). "
-            "Fix: build the same model, with the same wrap policy and ignored modules, on every rank."
-        )
-
-
-def _check_uniform(entries, use_orig_params: bool, unit_name: str):
-    first_name, first = entries[0][2], entries[0][3]
-    for _, _, fqn, p in entries[1:]:
-        if p.dtype != first.dtype:
-            raise ValueError(
-                f"zeroshard: unit '{unit_name}' mixes parameter dtypes ({first_name}: {first.dtype}, "
-                f"{fqn}: {p.dtype}); one FlatParameter holds one dtype. Fix: cast the module to one dtype, "
-                f"or wrap the {p.dtype} parameters in their own unit (auto_wrap_policy / nested FSDP)."
-            )
-        if p.device != first.device:
-            raise ValueError(
-                f"zeroshard: unit '{unit_name}' has parameters on {first.device} ({first_name}) and "
-                f"{p.device} ({fqn}). Fix: move the module to one device before wrapping."
-            )
-        if not use_orig_params and p.requires_grad != first.requires_grad:
-            raise ValueError(
-                f"zeroshard: unit '{unit_name}' mixes requires_grad ({first_name}={first.requires_grad}, "
-                f"{fqn}={p.requires_grad}) with use_orig_params=False. Fix: pass use_orig_params=True, "
-                f"or wrap frozen and trainable parameters in separate units."
-            )
