@@ -3,20 +3,26 @@
 ``import zeroshard as fsdp`` then ``fsdp.FullyShardedDataParallel(model, ...)``.
 The package reads in lifecycle order:
 
+  materialize -> meta-device init unit by unit, sync_module_states
+  groups      -> shard / replicate process groups for hybrid sharding
   flat_param  -> a unit's parameters as one padded 1-D buffer (+ layout math)
   handle      -> shard / unshard (all-gather) / reshard (free) of that buffer
   reduce      -> reduce-scatter of the flat gradient, torch's divide factors
   hooks       -> when each step runs in forward / backward, and prefetch
   wrap        -> which submodules become units (auto-wrap policies)
   fully_sharded -> the FullyShardedDataParallel module itself
+  validation  -> checks before sharding (dtype, requires_grad, same layout on all ranks)
   grad_norm   -> clip_grad_norm_ over shards
   state_dict  -> summon_full_params, full, local and sharded (DCP) state dicts
   optim_state -> optimizer state dicts (ZeRO-1 state, gathered / re-sharded)
   checkpoint  -> atomic checkpoint files; consolidate: DCP dir -> one file
   comm        -> the collectives, with byte accounting
   ext         -> optional C++/CUDA flatten/unflatten kernels
+  trace       -> opt-in timeline of the lifecycle (Chrome trace, PNG)
+  estimate    -> ZeRO memory model (python -m zeroshard.estimate)
+  compat.hfai -> hfai-style front end; testing -> rank pools for tests
 """
-from . import checkpoint, wrap
+from . import checkpoint, trace, wrap
 from .comm import comm_stats
 from .ext import ext_backend
 from .fully_sharded import FSDP, FullyShardedDataParallel
