@@ -125,3 +125,26 @@ def test_wrapping_before_init_process_group():
     assert not torch.distributed.is_initialized()
     with pytest.raises(RuntimeError, match="init_process_group"):
         zs.FSDP(MLP())
+
+
+def _optimizer_before_wrapping(rank, world_size, use_orig_params):
+    torch.manual_seed(0)
+    model = MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # built over the unwrapped parameters
+    model = zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    model(torch.randn(2, 5)).sum().backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_optimizer_over_unwrapped_parameters(ranks):
+    """With use_orig_params=False the original parameters are replaced, so an
+    optimizer built before wrapping would silently train nothing: it raises at
+    its first step, naming a parameter and the fix. With use_orig_params=True
+    the original parameters are the sharded ones and it works."""
+    for msg in ranks.run(2, _optimizer_before_wrapping, False):
+        assert msg and "inp.weight" in msg and "build the optimizer after wrapping" in msg, msg
+    assert ranks.run(2, _optimizer_before_wrapping, True) == [None, None]

@@ -96,6 +96,7 @@ class FlatParamHandle:
         self.unit_name = unit_name
         params = [e[3] for e in entries]
         validation.check_uniform(entries, use_orig_params, unit_name)
+        validation.watch_optimizers()
         self.dtype = dtype = params[0].dtype
         # Mixed precision: the shard (the optimizer's master copy) keeps its
         # dtype; all-gather, forward and backward run in compute_dtype and the
@@ -150,6 +151,9 @@ class FlatParamHandle:
         else:
             for info in (*self.layout.params, *self.layout.shared):
                 del info.module._parameters[info.name]
+            for p, info in zip(params, self.layout.params):
+                # Replaced by the FlatParameter: an optimizer stepping it trains nothing.
+                p._zeroshard_retired = f"{info.fqn} of unit '{unit_name}'"
             if self.always_full:
                 self.use_unsharded_views()
 

@@ -1,5 +1,7 @@
 """Checks a unit passes before it is sharded: one dtype, one device, uniform
-requires_grad (without use_orig_params), and the same layout on every rank.
+requires_grad (without use_orig_params), and the same layout on every rank;
+and, at an optimizer's first step, that it was not built over parameters the
+FlatParameters replaced.
 
 A FlatParameter is one tensor, so its parameters must agree on dtype and
 device; ranks whose layouts differ would all-gather mismatched buffers
@@ -8,6 +10,7 @@ device; ranks whose layouts differ would all-gather mismatched buffers
 from __future__ import annotations
 
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import comm
 from .flat_param import FlatLayout
@@ -62,3 +65,28 @@ def check_uniform(entries, use_orig_params: bool, unit_name: str):
                 f"{fqn}={p.requires_grad}) with use_orig_params=False. Fix: pass use_orig_params=True, "
                 f"or wrap frozen and trainable parameters in separate units."
             )
+
+
+def _check_optimizer_params(optimizer, args, kwargs):
+    if getattr(optimizer, "_zeroshard_checked", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            retired = getattr(p, "_zeroshard_retired", None)
+            if retired is not None:
+                raise RuntimeError(
+                    f"zeroshard: {type(optimizer).__name__} holds the original parameter {retired}, which "
+                    "FullyShardedDataParallel replaced by its FlatParameter (use_orig_params=False): stepping it "
+                    "would train nothing. Fix: build the optimizer after wrapping, from the wrapped model's "
+                    "parameters(), or wrap with use_orig_params=True."
+                )
+    optimizer._zeroshard_checked = True
+
+
+_optimizer_hook = []
+
+
+def watch_optimizers():
+    """Install (once per process) the check above as a global optimizer step pre-hook."""
+    if not _optimizer_hook:
+        _optimizer_hook.append(register_optimizer_step_pre_hook(_check_optimizer_params))
