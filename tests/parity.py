@@ -22,7 +22,7 @@ from models import Block, TransformerBlock, batch, build
 DEFAULTS = dict(
     model="mlp", strategy="FULL_SHARD", use_orig_params=False, backward_prefetch="BACKWARD_PRE",
     forward_prefetch=False, limit_all_gathers=True, policy="module", steps=3, accum=2, clip=0.05,
-    no_sync=False, lr=1e-2, min_num_params=100, model_kwargs={}, mp=None, hybrid=None,
+    no_sync=False, lr=1e-2, min_num_params=100, model_kwargs={}, mp=None, hybrid=None, optim="adamw",
 )
 
 
@@ -104,6 +104,7 @@ def _grads_equal(where, named_a, named_b):
         if a.grad is None or b.grad is None:
             assert a.grad is None and b.grad is None, f"{where}: {na}: grad None on one side only"
             continue
+        assert a.grad.dtype == b.grad.dtype, f"{where}: grad of {na} is {a.grad.dtype} vs {b.grad.dtype}"
         assert torch.equal(a.grad, b.grad), f"{where}: grad of {na} differs, max |diff| {(a.grad - b.grad).abs().max()}"
 
 
@@ -117,8 +118,11 @@ def run_case(rank: int, world_size: int, overrides: dict) -> dict:
     names_ref = [n for n, _ in ref.named_parameters()]
     names_ours = [n for n, _ in ours.named_parameters()]
     assert names_ref == names_ours, f"named_parameters differ:\n{names_ref}\n{names_ours}"
-    opt_ref = torch.optim.AdamW(ref.parameters(), lr=case["lr"])
-    opt_ours = torch.optim.AdamW(ours.parameters(), lr=case["lr"])
+    # SGD steps a full-precision parameter with a low-precision grad
+    # (keep_low_precision_grads); AdamW's state updates need equal dtypes.
+    make_opt = torch.optim.SGD if case["optim"] == "sgd" else torch.optim.AdamW
+    opt_ref = make_opt(ref.parameters(), lr=case["lr"])
+    opt_ours = make_opt(ours.parameters(), lr=case["lr"])
     norms = []
     for step in range(case["steps"]):
         for micro in range(case["accum"]):

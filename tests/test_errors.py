@@ -89,7 +89,6 @@ CASES = {
     "hybrid_without_groups": (_hybrid_without_groups, ValueError, ["HYBRID_SHARD", "fsdp_group_size", "Fix"]),
 }
 UNSUPPORTED = {
-    "mixed_precision.keep_low_precision_grads": dict(mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)),
     "ignored_states": dict(ignored_states=[]),
 }
 

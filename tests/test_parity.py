@@ -110,3 +110,13 @@ def test_frozen_parameters_use_orig_params(ranks, world_size, policy, strategy):
     for r in results:
         assert not any(n.endswith(("base.weight", "base.bias", "out.weight")) for n in r["with_state"]), r["with_state"]
         assert any("lora" in n for n in sum((x["with_state"] for x in results), []))
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_keep_low_precision_grads(ranks, strategy, use_orig_params):
+    """keep_low_precision_grads: the optimizer sees grads in param_dtype (bf16)
+    on fp32 parameters, accumulated in fp32 across steps; equal to torch FSDP1
+    (grads' dtype and values, clip norm, parameters after SGD steps)."""
+    ranks.run(2, run_case, dict(strategy=strategy, use_orig_params=use_orig_params, optim="sgd", clip=0.05,
+                                mp=dict(param_dtype="bfloat16", reduce_dtype="float32", keep_low_precision_grads=True)))

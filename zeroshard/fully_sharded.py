@@ -116,6 +116,7 @@ class FullyShardedDataParallel(nn.Module):
                 param_dtype=self.mixed_precision.param_dtype, reduce_dtype=self.mixed_precision.reduce_dtype,
                 replicate_group=replicate_group, compute_device=self.compute_device,
                 offload_params=self.cpu_offload.offload_params,
+                keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
             )
             flat = self._handle.flat_param
             self._handle.flat_param_host = module
@@ -356,7 +357,6 @@ def _to_device(obj, device):
 
 def _reject_unsupported(mixed_precision, ignored_states, module):
     unsupported = {
-        "mixed_precision.keep_low_precision_grads": mixed_precision is not None and mixed_precision.keep_low_precision_grads,
         "ignored_states": ignored_states is not None,
     }
     for name, bad in unsupported.items():

@@ -83,7 +83,8 @@ class FlatParamHandle:
 
     def __init__(self, entries, aliases, *, group, strategy: ShardingStrategy, use_orig_params: bool, unit_name: str,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
-                 replicate_group=None, compute_device: torch.device | None = None, offload_params: bool = False):
+                 replicate_group=None, compute_device: torch.device | None = None, offload_params: bool = False,
+                 keep_low_precision_grads: bool = False):
         self.group = group
         # HSDP: shards are replicated across this group; gradients are
         # all-reduced over it after the reduce-scatter (see reduce).
@@ -103,6 +104,9 @@ class FlatParamHandle:
         # gradient is reduced in reduce_dtype (param_dtype if only it is given).
         self.compute_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or param_dtype or dtype
+        # keep_low_precision_grads: .grad is handed to the optimizer in the
+        # compute dtype (accumulation across steps still happens in full precision).
+        self.keep_low_precision_grads = keep_low_precision_grads
         # Aligning each parameter to 16 bytes (of the compute dtype) keeps the
         # views handed to the optimizer and kernels aligned; torch FSDP1 does too.
         align = 16 // self.compute_dtype.itemsize if use_orig_params else 0
@@ -321,7 +325,7 @@ class FlatParamHandle:
         An unsharded gradient (from ``no_sync``) stays and autograd adds to it."""
         g = self.flat_param.grad
         if g is not None and g.numel() != self.layout.numel:
-            self.saved_grad_shard = g.data
+            self.saved_grad_shard = g.data if g.dtype == self.dtype else g.data.to(self.dtype)
             self.flat_param.grad = None
 
     def prepare_gradient_for_optim(self):
@@ -329,6 +333,8 @@ class FlatParamHandle:
         if self.saved_grad_shard is not None:
             self.flat_param.grad = self.saved_grad_shard
             self.saved_grad_shard = None
+            if self.keep_low_precision_grads and self.flat_param.grad.dtype != self.compute_dtype:
+                self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
         self.post_backward_called = False
         if self.use_orig_params:
             self.use_sharded_grad_views()
@@ -338,12 +344,19 @@ class FlatParamHandle:
         for p, info, sl in zip(self.orig_params, self.layout.params, self.layout.shard_slices):
             if g is None or not p.requires_grad:
                 p.grad = None
-            elif not self.sharded:
-                p.grad = g[info.offset : info.offset + info.numel].view(info.shape)
-            elif sl is None:
+            elif self.sharded and sl is None:
                 p.grad = None
             else:
-                p.grad = g[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
+                if self.sharded:
+                    view = g[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
+                else:
+                    view = g[info.offset : info.offset + info.numel].view(info.shape)
+                if view.dtype == p.dtype:
+                    p.grad = view
+                else:  # keep_low_precision_grads: a low-precision grad on a full-precision parameter
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    p.grad.data = view
 
     def use_unsharded_grad_views(self):
         """During ``no_sync`` the original parameters' grads view the unsharded

@@ -63,7 +63,7 @@ class PendingReduction:
         if self.out.dtype != h.dtype:  # reduced in low precision: back to the master dtype
             if h.sharded:
                 self.out = self.out.to(h.dtype)
-            else:
+            elif not h.keep_low_precision_grads:  # NO_SHARD keeps the reduced dtype then
                 h.flat_param.grad.data = self.out.to(h.dtype)
         if h.sharded:
             if h.saved_grad_shard is None:
