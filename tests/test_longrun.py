@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import zeroshard as zs
+from zeroshard.testing import spawn
 from models import MLP, Block, batch, build
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -85,8 +86,12 @@ def _long_run(rank, world_size, steps):
     }
 
 
-def test_thousand_steps_leak_nothing(ranks):
-    for rank, r in enumerate(ranks.run(2, _long_run, 1000, timeout=120)):
+def test_thousand_steps_leak_nothing():
+    # Fresh processes: the bounds above were measured there; a pool worker
+    # that already ran the rest of the suite has a fragmented heap whose RSS
+    # drifts by hundreds of KB without any leak (seen in CI: +668 KB with
+    # zero gc-object growth).
+    for rank, r in enumerate(spawn(_long_run, 2, 1000, timeout=180)):
         rss100, rss400, rss1000 = r["rss"]
         assert rss1000 - rss100 < RSS_GROWTH_BOUND, f"rank {rank}: RSS grew {(rss1000 - rss100) / 1024:.0f} KB in steps 100-1000"
         assert rss1000 - rss400 < RSS_WARM_GROWTH_BOUND, f"rank {rank}: RSS grew {(rss1000 - rss400) / 1024:.0f} KB in steps 400-1000"
