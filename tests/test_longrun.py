@@ -22,12 +22,14 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 # between 300 and 3000), i.e. page granularity. So:
 # * step 100 -> 1000 (the warm-up included) must stay under 5 MB, ~2x the
 #   largest warm-up seen: only a leak of several KB per step fails it;
-# * step 400 -> 1000 (warmed up) must stay under 256 KB, 8x the noise seen;
-#   a leak of >= 0.45 KB per step fails it. Checked by injecting leaks: one
-#   stashed 101-float gradient shard per step gives +390 KB here (and +900
-#   gc objects), one stashed Python object per step +1.3 MB.
+# * step 400 -> 1000 (warmed up) must stay under 1 MB: alone it grew 4-32 KB,
+#   but inside the full CI suite (same machine, other processes running) it
+#   grew up to 320 KB in fresh processes with zero gc-object growth, so the
+#   bound leaves room for that; a leak of >= 1.7 KB per step still fails it.
+#   Smaller Python-level leaks are caught by the gc-object count below
+#   (an injected one-gradient-shard-per-step leak adds +900 objects).
 RSS_GROWTH_BOUND = 5 << 20
-RSS_WARM_GROWTH_BOUND = 256 << 10
+RSS_WARM_GROWTH_BOUND = 1 << 20
 # gc-tracked objects between steps 100 and 1000 (measured: +0): one leaked
 # Python object per step (a hook, a pending reduction, a closure) would add 900.
 GC_GROWTH_BOUND = 100
