@@ -335,24 +335,23 @@ def _cast_buffers(states):
                 buf.data = buf.to(dtype)
 
 
-def _cast_floats(obj, dtype):
+def _map_tensors(obj, fn):
+    """Apply ``fn`` to every tensor in nested lists, tuples and dicts of forward inputs."""
     if torch.is_tensor(obj):
-        return obj.to(dtype) if torch.is_floating_point(obj) else obj
+        return fn(obj)
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast_floats(o, dtype) for o in obj)
+        return type(obj)(_map_tensors(o, fn) for o in obj)
     if isinstance(obj, dict):
-        return {k: _cast_floats(v, dtype) for k, v in obj.items()}
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
     return obj
+
+
+def _cast_floats(obj, dtype):
+    return _map_tensors(obj, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
 
 
 def _to_device(obj, device):
-    if torch.is_tensor(obj):
-        return obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_device(o, device) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _to_device(v, device) for k, v in obj.items()}
-    return obj
+    return _map_tensors(obj, lambda t: t.to(device, non_blocking=True))
 
 
 def _reject_unsupported(mixed_precision, ignored_states, module):

@@ -67,10 +67,6 @@ def _live_non_root(rt) -> int:
     return sum(h.unsharded and h.sharded and not h.is_root for h in rt.handles)
 
 
-def _reshard(handle, free: bool):
-    handle.reshard(free)
-
-
 @torch.no_grad()
 def _recover_from_interrupted_backward(rt):
     """An exception inside backward (caught by the user, e.g. an OOM on one
@@ -143,7 +139,7 @@ def post_forward(state, output):
         # free them, and a shard changed meanwhile (optimizer, load) would
         # leave them stale, so they are freed right away.
         keep = torch.is_grad_enabled() and (state._is_root or handle.strategy not in RESHARD_AFTER_FORWARD)
-        _reshard(handle, free=not keep)
+        handle.reshard(free=not keep)
         handle.state = HandleState.IDLE
     _register_pre_backward(state, output)
     return output
@@ -211,7 +207,7 @@ def post_backward(state, flat_param):
         return
     if flat_param.grad.requires_grad:
         raise RuntimeError("zeroshard: gradients of gradients (create_graph=True) are not supported by FSDP units.")
-    _reshard(handle, _free_in_backward(state, handle))
+    handle.reshard(_free_in_backward(state, handle))
     if state.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
         _prefetch(state, handle, _backward_target(state._runtime, handle))
     if not state._sync_gradients:
@@ -231,7 +227,7 @@ def post_backward_final(root):
             if trace._active:  # a unit whose post-backward hook never ran
                 trace.span_end("backward", handle.unit_name)
             if handle.unsharded and handle.sharded:  # e.g. outputs unused by the loss
-                _reshard(handle, _free_in_backward(state, handle))
+                handle.reshard(_free_in_backward(state, handle))
             if handle.flat_param.requires_grad and state._sync_gradients:
                 handle.prepare_gradient_for_optim()
             handle.end_iteration()
