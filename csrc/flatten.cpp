@@ -17,6 +17,8 @@
 #include <algorithm>
 #include <cstring>
 #include <optional>
+#include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -28,6 +30,39 @@ void zeroshard_copy_segments_cuda(const std::vector<int64_t>& table,
 #endif
 
 namespace {
+
+// Error messages are assembled with std::to_string, not c10::str's ostream:
+// a CUDA build with a newer host g++ than torch's crashed inside inlined
+// ostream code while formatting one. pybind turns value_error into Python's
+// ValueError and std::runtime_error into RuntimeError.
+std::string piece(const char* s) { return s; }
+std::string piece(const std::string& s) { return s; }
+std::string piece(long v) { return std::to_string(v); }
+std::string piece(unsigned long v) { return std::to_string(v); }
+std::string piece(long long v) { return std::to_string(v); }
+std::string piece(int v) { return std::to_string(v); }
+std::string piece(c10::ScalarType t) { return c10::toString(t); }
+std::string piece(const at::Device& d) { return d.str(); }
+std::string piece(at::Layout l) { return l == at::kStrided ? "Strided" : "non-strided #" + std::to_string(static_cast<int>(l)); }
+std::string piece(at::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+template <typename... A>
+std::string cat(const A&... parts) {
+  std::string s;
+  ((s += piece(parts)), ...);
+  return s;
+}
+#define ZS_CHECK_VALUE(cond, ...) \
+  do {                             \
+    if (!(cond)) throw py::value_error(cat(__VA_ARGS__)); \
+  } while (0)
+#define ZS_CHECK(cond, ...) \
+  do {                       \
+    if (!(cond)) throw std::runtime_error(cat(__VA_ARGS__)); \
+  } while (0)
 
 struct Segment {
   const char* src;  // nullptr: zero-fill dst
@@ -78,7 +113,7 @@ void copy_segments(const std::vector<Segment>& segs, const at::Device& device) {
   }
   zeroshard_copy_segments_cuda(table, device);
 #else
-  TORCH_CHECK(false, "zeroshard._C was built without CUDA support");
+  ZS_CHECK(false, "zeroshard._C was built without CUDA support");
 #endif
 }
 
@@ -103,21 +138,21 @@ bool is_memcpyable(const at::Tensor& t) {
 }
 
 void check_flat(const at::Tensor& flat) {
-  TORCH_CHECK_VALUE(flat.layout() == at::kStrided && flat.dim() == 1 && flat.is_contiguous(),
+  ZS_CHECK_VALUE(flat.layout() == at::kStrided && flat.dim() == 1 && flat.is_contiguous(),
                     "zeroshard: flat must be a 1-D contiguous tensor, got sizes ", flat.sizes(),
                     " strides ", flat.strides());
 }
 
 void check_member(const char* what, size_t i, const at::Tensor& t, int64_t off,
                   const at::Tensor& flat) {
-  TORCH_CHECK_VALUE(t.layout() == at::kStrided, "zeroshard: ", what, "[", i,
+  ZS_CHECK_VALUE(t.layout() == at::kStrided, "zeroshard: ", what, "[", i,
                     "] must be a strided tensor, got layout ", t.layout());
-  TORCH_CHECK_VALUE(t.scalar_type() == flat.scalar_type(), "zeroshard: ", what, "[", i,
+  ZS_CHECK_VALUE(t.scalar_type() == flat.scalar_type(), "zeroshard: ", what, "[", i,
                     "] has dtype ", t.scalar_type(), " but flat has dtype ", flat.scalar_type());
-  TORCH_CHECK_VALUE(t.device() == flat.device(), "zeroshard: ", what, "[", i, "] is on ",
+  ZS_CHECK_VALUE(t.device() == flat.device(), "zeroshard: ", what, "[", i, "] is on ",
                     t.device(), " but flat is on ", flat.device());
   const int64_t n = t.numel();
-  TORCH_CHECK_VALUE(off >= 0 && off <= flat.numel() - n, "zeroshard: ", what, "[", i,
+  ZS_CHECK_VALUE(off >= 0 && off <= flat.numel() - n, "zeroshard: ", what, "[", i,
                     "] range [", off, ", ", off + n, ") is out of bounds for flat of numel ",
                     flat.numel());
   if (n == 0) return;
@@ -131,10 +166,10 @@ void check_member(const char* what, size_t i, const at::Tensor& t, int64_t off,
     const auto strides = t.strides();
     for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
   }
-  TORCH_CHECK(static_cast<uint64_t>((last + 1) * es) <= t.storage().nbytes(), "zeroshard: ", what,
+  ZS_CHECK(static_cast<uint64_t>((last + 1) * es) <= t.storage().nbytes(), "zeroshard: ", what,
               "[", i, "] reaches byte ", (last + 1) * es, " of a storage of ", t.storage().nbytes(),
               " bytes (was its storage freed?)");
-  TORCH_CHECK(static_cast<uint64_t>((flat.storage_offset() + off + n) * es) <= flat.storage().nbytes(),
+  ZS_CHECK(static_cast<uint64_t>((flat.storage_offset() + off + n) * es) <= flat.storage().nbytes(),
               "zeroshard: flat range [", off, ", ", off + n, ") lies beyond its storage of ",
               flat.storage().nbytes(), " bytes (was its storage freed?)");
 }
@@ -174,7 +209,7 @@ void scatter_into_flat(const Tensors& tensors, const std::vector<int64_t>& offse
 bool flatten_into(const Tensors& tensors, const std::vector<int64_t>& offsets,
                   const at::Tensor& flat) {
   check_flat(flat);
-  TORCH_CHECK_VALUE(tensors.size() == offsets.size(), "zeroshard: got ", tensors.size(),
+  ZS_CHECK_VALUE(tensors.size() == offsets.size(), "zeroshard: got ", tensors.size(),
                     " tensors but ", offsets.size(), " offsets");
   if (!is_plain(flat)) return false;
   for (const at::Tensor* t : tensors) {
@@ -189,10 +224,10 @@ bool flatten_into(const Tensors& tensors, const std::vector<int64_t>& offsets,
 
 std::optional<at::Tensor> flatten(const Tensors& tensors, const std::vector<int64_t>& offsets,
                                   int64_t total_numel) {
-  TORCH_CHECK_VALUE(!tensors.empty(), "zeroshard: flatten needs at least one tensor");
-  TORCH_CHECK_VALUE(tensors.size() == offsets.size(), "zeroshard: got ", tensors.size(),
+  ZS_CHECK_VALUE(!tensors.empty(), "zeroshard: flatten needs at least one tensor");
+  ZS_CHECK_VALUE(tensors.size() == offsets.size(), "zeroshard: got ", tensors.size(),
                     " tensors but ", offsets.size(), " offsets");
-  TORCH_CHECK_VALUE(total_numel >= 0, "zeroshard: total_numel must be >= 0, got ", total_numel);
+  ZS_CHECK_VALUE(total_numel >= 0, "zeroshard: total_numel must be >= 0, got ", total_numel);
   for (const at::Tensor* t : tensors) {
     if (!is_plain(*t)) return std::nullopt;
   }
@@ -224,7 +259,7 @@ std::optional<at::Tensor> flatten(const Tensors& tensors, const std::vector<int6
 bool unflatten_into(const at::Tensor& flat, const std::vector<int64_t>& offsets,
                     const Tensors& outs) {
   check_flat(flat);
-  TORCH_CHECK_VALUE(outs.size() == offsets.size(), "zeroshard: got ", outs.size(),
+  ZS_CHECK_VALUE(outs.size() == offsets.size(), "zeroshard: got ", outs.size(),
                     " outputs but ", offsets.size(), " offsets");
   if (!is_plain(flat)) return false;
   for (const at::Tensor* t : outs) {
@@ -264,12 +299,12 @@ std::optional<std::vector<at::Tensor>> unflatten(const at::Tensor& flat,
                                                  const std::vector<int64_t>& offsets,
                                                  const std::vector<std::vector<int64_t>>& shapes) {
   check_flat(flat);
-  TORCH_CHECK_VALUE(shapes.size() == offsets.size(), "zeroshard: got ", shapes.size(),
+  ZS_CHECK_VALUE(shapes.size() == offsets.size(), "zeroshard: got ", shapes.size(),
                     " shapes but ", offsets.size(), " offsets");
   if (!is_plain(flat)) return std::nullopt;
   for (size_t i = 0; i < shapes.size(); ++i) {
     for (int64_t d : shapes[i]) {
-      TORCH_CHECK_VALUE(d >= 0, "zeroshard: shapes[", i, "] has a negative size: ", shapes[i]);
+      ZS_CHECK_VALUE(d >= 0, "zeroshard: shapes[", i, "] has a negative size: ", shapes[i]);
     }
   }
   std::vector<at::Tensor> outs;
@@ -319,60 +354,84 @@ std::vector<int64_t> unpack_ints(py::handle seq, const char* what) {
   return out;
 }
 
-py::object py_flatten_into(py::handle tensors, py::handle offsets, const at::Tensor& flat) {
-  PyTensors ts = unpack_tensors(tensors, "tensors");
-  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
-  bool done;
-  {
-    py::gil_scoped_release nogil;
-    done = flatten_into(ts.ptrs, offs, flat);
+// c10 errors become Python exceptions here rather than through torch's pybind
+// translator: that one is only found when this module and torch share pybind's
+// internals (same compiler ABI tag and pybind version), and a mismatch (seen
+// with a CUDA build against a distro pybind11) crashed instead of raising.
+template <typename F>
+py::object raising_python_errors(F&& body) {
+  try {
+    return body();
+  } catch (const c10::ValueError& e) {
+    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
   }
-  return py::bool_(done);
+  throw py::error_already_set();
+}
+
+py::object py_flatten_into(py::handle tensors, py::handle offsets, const at::Tensor& flat) {
+  return raising_python_errors([&]() -> py::object {
+    PyTensors ts = unpack_tensors(tensors, "tensors");
+    std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = flatten_into(ts.ptrs, offs, flat);
+    }
+    return py::bool_(done);
+  });
 }
 
 py::object py_flatten(py::handle tensors, py::handle offsets, int64_t total_numel) {
-  PyTensors ts = unpack_tensors(tensors, "tensors");
-  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
-  std::optional<at::Tensor> flat;
-  {
-    py::gil_scoped_release nogil;
-    flat = flatten(ts.ptrs, offs, total_numel);
-  }
-  if (!flat) return py::none();
-  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(*flat)));
+  return raising_python_errors([&]() -> py::object {
+    PyTensors ts = unpack_tensors(tensors, "tensors");
+    std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+    std::optional<at::Tensor> flat;
+    {
+      py::gil_scoped_release nogil;
+      flat = flatten(ts.ptrs, offs, total_numel);
+    }
+    if (!flat) return py::none();
+    return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(*flat)));
+  });
 }
 
 py::object py_unflatten_into(const at::Tensor& flat, py::handle offsets, py::handle outs) {
-  PyTensors os = unpack_tensors(outs, "outs");
-  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
-  bool done;
-  {
-    py::gil_scoped_release nogil;
-    done = unflatten_into(flat, offs, os.ptrs);
-  }
-  return py::bool_(done);
+  return raising_python_errors([&]() -> py::object {
+    PyTensors os = unpack_tensors(outs, "outs");
+    std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+    bool done;
+    {
+      py::gil_scoped_release nogil;
+      done = unflatten_into(flat, offs, os.ptrs);
+    }
+    return py::bool_(done);
+  });
 }
 
 py::object py_unflatten(const at::Tensor& flat, py::handle offsets, py::handle shapes) {
-  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
-  auto fast = py::reinterpret_steal<py::object>(PySequence_Fast(shapes.ptr(), "shapes"));
-  if (!fast) throw py::error_already_set();
-  std::vector<std::vector<int64_t>> dims;
-  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.ptr()); ++i) {
-    dims.push_back(unpack_ints(PySequence_Fast_GET_ITEM(fast.ptr(), i),
-                               "each shape must be a sequence of ints"));
-  }
-  std::optional<std::vector<at::Tensor>> outs;
-  {
-    py::gil_scoped_release nogil;
-    outs = unflatten(flat, offs, dims);
-  }
-  if (!outs) return py::none();
-  py::list result(outs->size());
-  for (size_t i = 0; i < outs->size(); ++i) {
-    result[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move((*outs)[i])));
-  }
-  return result;
+  return raising_python_errors([&]() -> py::object {
+    std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+    auto fast = py::reinterpret_steal<py::object>(PySequence_Fast(shapes.ptr(), "shapes"));
+    if (!fast) throw py::error_already_set();
+    std::vector<std::vector<int64_t>> dims;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.ptr()); ++i) {
+      dims.push_back(unpack_ints(PySequence_Fast_GET_ITEM(fast.ptr(), i),
+                                 "each shape must be a sequence of ints"));
+    }
+    std::optional<std::vector<at::Tensor>> outs;
+    {
+      py::gil_scoped_release nogil;
+      outs = unflatten(flat, offs, dims);
+    }
+    if (!outs) return py::none();
+    py::list result(outs->size());
+    for (size_t i = 0; i < outs->size(); ++i) {
+      result[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move((*outs)[i])));
+    }
+    return result;
+  });
 }
 
 }  // namespace

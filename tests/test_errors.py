@@ -74,6 +74,10 @@ def _hybrid_without_groups():
     zs.FSDP(MLP(), sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD)
 
 
+def _device_id_without_cuda():
+    zs.FSDP(MLP(), device_id=torch.device("cuda", 0))
+
+
 def _unsupported(option):
     zs.FSDP(MLP(), **option)
 
@@ -88,6 +92,8 @@ CASES = {
     "no_sync_inner": (_no_sync_inner, RuntimeError, ["no_sync()", "root"]),
     "hybrid_without_groups": (_hybrid_without_groups, ValueError, ["HYBRID_SHARD", "fsdp_group_size", "Fix"]),
 }
+if not torch.cuda.is_available():  # on a GPU machine tests/test_cuda.py checks the mismatch
+    CASES["device_id_without_cuda"] = (_device_id_without_cuda, ValueError, ["device_id=cuda:0", "not available", "Fix"])
 UNSUPPORTED = {
     "ignored_states": dict(ignored_states=[]),
 }

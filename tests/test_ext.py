@@ -368,6 +368,10 @@ def test_cuda_matches_python(dtype):
         offsets.append(cursor)
         cursor += t.numel()
     _check_cuda_case(tensors, offsets, cursor + 9, gen)
+    # More runs than fit in the kernel's parameter space: the device-table path.
+    tensors = [random_bits([n], dtype, gen).cuda() for n in torch.randint(1, 40, (3000,), generator=gen).tolist()]
+    offsets = torch.arange(3000).mul(41).tolist()
+    _check_cuda_case(tensors, offsets, 3000 * 41, gen)
 
 
 def _check_cuda_case(tensors, offsets, total, gen):

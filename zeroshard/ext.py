@@ -158,7 +158,15 @@ def _copy_all(dsts: list[Tensor], srcs: list[Tensor]) -> None:
         for d, s in zip(dsts, srcs):
             d.copy_(s)
     else:
+        if dsts and dsts[0].device.type != "cpu" and dsts[0].is_floating_point():
+            # CUDA's foreach copy computes bf16/fp16 in float, which rewrites NaN
+            # payloads: copy the same bits as integers so the result is bytewise.
+            bits = _SAME_WIDTH_INT[dsts[0].element_size()]
+            dsts, srcs = [d.view(bits) for d in dsts], [s.view(bits) for s in srcs]
         torch._foreach_copy_(dsts, srcs)
+
+
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def _packed_start(offsets: Sequence[int], numels: Sequence[int]) -> int | None:

@@ -299,6 +299,11 @@ def _compute_device(module: nn.Module, device_id, group) -> torch.device:
     devices.discard(torch.device("meta"))  # materialized on the compute device (see materialize)
     if device_id is not None:
         device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"zeroshard: device_id={device} but CUDA is not available on this machine. "
+                'Fix: pass device_id=torch.device("cpu") (gloo) or run where a GPU is visible.'
+            )
         for d in devices:
             if d.type != "cpu" and d != device:
                 raise ValueError(
