@@ -20,10 +20,17 @@ The package reads in lifecycle order:
   ext         -> optional C++/CUDA flatten/unflatten kernels
   trace       -> opt-in timeline of the lifecycle (Chrome trace, PNG)
   estimate    -> ZeRO memory model (python -m zeroshard.estimate)
+  zero1       -> ZeRO-1: flat fp32 master sharded, gradients reduce-scattered, parameters all-gathered
+  loss_scale  -> fp16 static / dynamic loss scaling (DeepSpeed's rules)
+  ds_config   -> DeepSpeed JSON config subset: validation, optimizer, WarmupLR/WarmupDecayLR
+  engine      -> zeroshard.initialize: a DeepSpeed-style engine over DDP / ZeRO-1 / FSDP
+  accelerate_config -> Accelerate fsdp_config -> FullyShardedDataParallel keywords
   compat.hfai -> hfai-style front end; testing -> rank pools for tests
 """
 from . import checkpoint, trace, wrap
+from .accelerate_config import from_accelerate_config
 from .comm import comm_stats
+from .engine import Engine, initialize
 from .ext import ext_backend
 from .fully_sharded import FSDP, FullyShardedDataParallel
 from .handle import unsharded_tracker
@@ -55,4 +62,7 @@ __all__ = [
     "comm_stats",
     "ext_backend",
     "unsharded_tracker",
+    "initialize",
+    "Engine",
+    "from_accelerate_config",
 ]

@@ -1,0 +1,341 @@
+"""Configs people bring from DeepSpeed and Accelerate: the DeepSpeed JSON subset
+(batch-size arithmetic, validation messages, unknown-key warnings, optimizer
+and LR-schedule construction), the loss scalers' rules on their own, and
+Accelerate's fsdp_config turned into FullyShardedDataParallel keywords that
+train exactly like a hand-written wrap."""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import zeroshard as zs
+from models import Block, batch, build
+from zeroshard import ds_config
+from zeroshard.accelerate_config import from_accelerate_config
+from zeroshard.ds_config import WarmupDecayLR, WarmupLR, build_optimizer, load_config
+from zeroshard.loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
+
+MICRO = {"train_micro_batch_size_per_gpu": 4}
+
+
+# ------------------------------------------------------------------ batch sizes
+@given(micro=st.integers(1, 64), accum=st.integers(1, 16), world=st.integers(1, 64),
+       given_keys=st.sampled_from([(0, 1), (0, 2), (1, 2), (0, 1, 2)]))
+def test_any_two_batch_sizes_determine_the_third(micro, accum, world, given_keys):
+    names = ["train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"]
+    values = [micro * accum * world, micro, accum]
+    cfg = load_config({names[i]: values[i] for i in given_keys}, world)
+    assert [cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps] == values
+
+
+@pytest.mark.parametrize("given,world,expected", [
+    ({"train_batch_size": 32}, 2, (32, 16, 1)),  # DeepSpeed: accumulation 1
+    ({"train_micro_batch_size_per_gpu": 4}, 3, (12, 4, 1)),
+])
+def test_one_batch_size_implies_no_accumulation(given, world, expected):
+    cfg = load_config(given, world)
+    assert (cfg.train_batch_size, cfg.train_micro_batch_size_per_gpu, cfg.gradient_accumulation_steps) == expected
+
+
+@pytest.mark.parametrize("given,match", [
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2},
+     r"train_batch_size=30, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2 do not fit 2 ranks.*\(4 x 2 x 2 = 16\)"),
+    ({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4},
+     r"train_batch_size=30, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=None do not fit 2 ranks.*\(4 x 3 x 2 = 24\)"),
+    ({"train_batch_size": 6, "gradient_accumulation_steps": 4},
+     r"train_batch_size=6, train_micro_batch_size_per_gpu=None, gradient_accumulation_steps=4 do not fit 2 ranks.*\(0 x 4 x 2 = 0\)"),
+    ({"gradient_accumulation_steps": 4}, r"one of train_batch_size and train_micro_batch_size_per_gpu is required"),
+])
+def test_batch_sizes_that_do_not_fit_name_all_three(given, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(given, 2)
+
+
+# ------------------------------------------------------------------- validation
+BAD = [
+    ({"gradient_accumulation_steps": "2"}, r"gradient_accumulation_steps = '2': expected an integer >= 1.*not a string"),
+    ({"train_micro_batch_size_per_gpu": "auto"}, r"= 'auto': 'auto' is filled in by the HF Trainer.*write the value itself"),
+    ({"gradient_clipping": -1.0}, r"gradient_clipping = -1.0: expected a number >= 0.0"),
+    ({"optimizer": {"type": "Lamb"}}, r"optimizer.type = 'Lamb': zeroshard builds Adam, AdamW and SGD"),
+    ({"optimizer": {"type": "Adam", "params": {"betas": [0.9]}}}, r"optimizer.params.betas = \[0.9\]: expected two numbers"),
+    ({"optimizer": {"type": "Adam", "params": {"lr": "1e-3"}}}, r"optimizer.params.lr = '1e-3': expected a number"),
+    ({"optimizer": {"type": "SGD", "params": {"momentum": 0.9}}}, r"optimizer.params.lr = None: SGD needs a learning rate"),
+    ({"optimizer": "Adam"}, r"optimizer = 'Adam': expected an object"),
+    ({"scheduler": {"type": "OneCycle"}}, r"scheduler.type = 'OneCycle': zeroshard implements DeepSpeed's WarmupLR"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}}, r"warmup_type = 'cosine': expected 'log' or 'linear'"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, r"warmup_num_steps = 0: expected an integer >= 1"),
+    ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, r"total_num_steps = None: WarmupDecayLR needs the total"),
+    ({"fp16": {"enabled": "true"}}, r"fp16.enabled = 'true': expected true or false.*JSON boolean"),
+    ({"fp16": True}, r"fp16 = True: expected an object"),
+    ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"\"fp16\" and \"bf16\" cannot both be enabled"),
+    ({"bf16": {"enabled": True}, "bfloat16": {"enabled": True}}, r"both given.*keep one"),
+    ({"fp16": {"hysteresis": 0}}, r"fp16.hysteresis = 0: expected an integer >= 1"),
+    ({"fp16": {"loss_scale_window": 1.5}}, r"fp16.loss_scale_window = 1.5: expected an integer"),
+    ({"fp16": {"min_loss_scale": 0}}, r"fp16.min_loss_scale = 0: the scale must stay positive"),
+    ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage = 4: ZeRO stages are 0, 1, 2 and 3"),
+    ({"zero_optimization": {"stage": "3"}}, r"zero_optimization.stage = '3'"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, r"offload_param.device = 'nvme': zeroshard offloads to CPU only"),
+    ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, r"parameter offload needs ZeRO stage 3 \(stage is 2\)"),
+    ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, r"optimizer offload needs ZeRO stage 1, 2 or 3"),
+    ({"zero_optimization": {"reduce_bucket_size": "5e8"}}, r"zero_optimization.reduce_bucket_size = '5e8': expected a number"),
+]
+
+
+@pytest.mark.parametrize("bad,match", BAD)
+def test_bad_values_name_key_value_and_fix(bad, match):
+    with pytest.raises(ValueError, match=match) as info:
+        load_config({**MICRO, **bad}, 1)
+    assert "Fix:" in str(info.value)
+
+
+def test_config_must_be_a_dict_or_json_path(tmp_path):
+    with pytest.raises(ValueError, match="expected a dict or a path to a JSON file, got list"):
+        load_config([1], 1)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps({**MICRO, "zero_optimization": {"stage": 3}}))
+    assert load_config(str(path), 2).zero.stage == 3
+
+
+def test_unknown_keys_warn_listing_all_of_them():
+    cfg = {**MICRO, "steps_per_print": 10, "fp16": {"enabled": True, "auto_cast": False, "fp16_master": 1},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "fused": True}},
+           "zero_optimization": {"stage": 2, "overlap_comm": True, "offload_optimizer": {"device": "cpu", "buffer_count": 4}}}
+    with pytest.warns(UserWarning, match=r"unknown keys ignored: 'steps_per_print', 'optimizer.params.fused', "
+                                         r"'fp16.fp16_master', 'zero_optimization.offload_optimizer.buffer_count', "
+                                         r"'zero_optimization.overlap_comm'"):
+        parsed = load_config(cfg, 1)
+    assert "fused" not in parsed.optimizer["params"] and parsed.zero.offload_optimizer and not parsed.fp16.auto_cast
+
+
+def test_keys_accepted_but_not_acted_on_are_documented_and_recorded():
+    keys = {"reduce_bucket_size": 5e8, "stage3_prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
+            "stage3_max_live_parameters": 1e9}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # accepted: no unknown-key warning
+        cfg = load_config({**MICRO, "zero_optimization": {"stage": 3, **keys}}, 1)
+    assert cfg.zero.not_acted_on == keys
+    doc = " ".join(ds_config.__doc__.split())
+    assert "not acted on" in doc and all(k in doc for k in keys)
+
+
+# ------------------------------------------------------------ optimizer, schedule
+@pytest.mark.parametrize("section,cls,expected", [
+    ({"type": "Adam", "params": {"lr": 0.1}}, torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.0}),  # DeepSpeed: adam_w_mode
+    ({"type": "adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, torch.optim.Adam, {"lr": 1e-3, "weight_decay": 0.1}),
+    ({"type": "AdamW", "params": {"betas": [0.8, 0.9], "eps": 1e-6, "torch_adam": True}}, torch.optim.AdamW,
+     {"betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.0}),
+    ({"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9, "nesterov": True}}, torch.optim.SGD,
+     {"lr": 0.5, "momentum": 0.9, "nesterov": True}),
+])
+def test_optimizer_section_builds_deepspeeds_optimizer(section, cls, expected):
+    spec = load_config({**MICRO, "optimizer": section}, 1).optimizer
+    opt = build_optimizer(spec, [torch.nn.Parameter(torch.zeros(3))])
+    assert type(opt) is cls
+    assert {k: opt.defaults[k] for k in expected} == expected
+
+
+def _lrs(sched, steps):
+    out = [sched.get_last_lr()[0]]
+    for _ in range(steps):
+        sched.step()
+        out.append(sched.optimizer.param_groups[0]["lr"])
+    return out
+
+
+def test_warmup_schedules_follow_deepspeeds_formulas():
+    opt = lambda: torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)  # noqa: E731
+    # lr before the first step is min_lr; after k steps it is that of iteration k - 1.
+    log = _lrs(WarmupLR(opt(), warmup_min_lr=0.1, warmup_max_lr=1.1, warmup_num_steps=10), 12)
+    assert log == pytest.approx([0.1, 0.1] + [0.1 + math.log(i + 1) / math.log(10) for i in range(1, 10)] + [1.1, 1.1])
+    linear = _lrs(WarmupLR(opt(), warmup_max_lr=1.0, warmup_num_steps=4, warmup_type="linear"), 6)
+    assert linear == pytest.approx([0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0])
+    assert _lrs(WarmupLR(opt(), warmup_num_steps=2, warmup_type="linear"), 3)[-1] == 0.5  # max_lr: the optimizer's lr
+    decay = WarmupDecayLR(opt(), total_num_steps=20, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="linear")
+    lrs = _lrs(decay, 22)
+    assert lrs[11] == pytest.approx(1.0) and lrs[16] == pytest.approx(0.5) and lrs[21] == lrs[22] == 0.0
+    fresh = WarmupDecayLR(opt(), total_num_steps=20, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="linear")
+    fresh.load_state_dict(decay.state_dict())
+    assert fresh.get_last_lr() == decay.get_last_lr()
+
+
+# --------------------------------------------------------------------- loss scalers
+def _trajectory(scaler, overflows):
+    out = []
+    for o in overflows:
+        scaler.update_scale(o)
+        out.append(scaler.loss_scale)
+    return out
+
+
+def test_dynamic_loss_scaler_rules():
+    F, T = False, True
+    # window 3: doubles after 3 clean steps, counted again from the last overflow
+    assert _trajectory(DynamicLossScaler(8, scale_window=3, hysteresis=1), [F, F, F, T, F, F, F]) == [8, 8, 16, 8, 8, 8, 16]
+    # hysteresis 3: the third overflow halves; later ones halve at once until a growth refills it
+    assert _trajectory(DynamicLossScaler(64, scale_window=100, hysteresis=3), [T, T, T, T, F]) == [64, 64, 32, 16, 16]
+    # a clean step between overflows refills only with consecutive_hysteresis
+    assert _trajectory(DynamicLossScaler(64, scale_window=100, hysteresis=2), [T, F, T]) == [64, 64, 32]
+    assert _trajectory(DynamicLossScaler(64, scale_window=100, hysteresis=2, consecutive_hysteresis=True), [T, F, T]) == [64, 64, 64]
+    # never below min_loss_scale
+    assert _trajectory(DynamicLossScaler(4, scale_window=100, min_scale=2, hysteresis=1), [T, T, T]) == [2, 2, 2]
+    assert _trajectory(StaticLossScaler(128), [T, F, T]) == [128, 128, 128]
+    a = DynamicLossScaler(8, scale_window=3)
+    _trajectory(a, [T, F])
+    b = DynamicLossScaler()
+    b.load_state_dict(a.state_dict())
+    assert _trajectory(a, [F, F, T, T]) == _trajectory(b, [F, F, T, T])
+
+
+def test_overflow_check_and_unscale_without_a_process_group():
+    g = [torch.ones(3, dtype=torch.float16), torch.zeros(0)]
+    assert not has_overflow(g, torch.device("cpu"))
+    for bad in (float("inf"), float("-inf"), float("nan")):
+        h = [t.clone() for t in g]
+        h[0][1] = bad
+        assert has_overflow(h, torch.device("cpu"))
+    assert not has_overflow([], torch.device("cpu"))
+    unscale_(g, 4.0)
+    assert torch.equal(g[0], torch.full((3,), 0.25, dtype=torch.float16))
+
+
+# ---------------------------------------------------------- Accelerate fsdp_config
+S, P = zs.ShardingStrategy, zs.BackwardPrefetch
+
+
+@pytest.mark.parametrize("field,value,key,expected", [
+    ("fsdp_sharding_strategy", "SHARD_GRAD_OP", "sharding_strategy", S.SHARD_GRAD_OP),
+    ("fsdp_sharding_strategy", 1, "sharding_strategy", S.FULL_SHARD),  # Accelerate's 1-based ints
+    ("fsdp_sharding_strategy", "3", "sharding_strategy", S.NO_SHARD),
+    ("fsdp_sharding_strategy", 4, "sharding_strategy", S.HYBRID_SHARD),
+    ("fsdp_sharding_strategy", "hybrid_shard_zero2", "sharding_strategy", S._HYBRID_SHARD_ZERO2),
+    ("fsdp_reshard_after_forward", False, "sharding_strategy", S.SHARD_GRAD_OP),
+    ("fsdp_backward_prefetch", "BACKWARD_PRE", "backward_prefetch", P.BACKWARD_PRE),
+    ("fsdp_backward_prefetch", "NO_PREFETCH", "backward_prefetch", None),
+    ("fsdp_backward_prefetch_policy", 2, "backward_prefetch", P.BACKWARD_POST),
+    ("fsdp_forward_prefetch", True, "forward_prefetch", True),
+    ("fsdp_use_orig_params", "true", "use_orig_params", True),
+    ("fsdp_sync_module_states", False, "sync_module_states", False),
+    ("fsdp_offload_params", True, "cpu_offload", zs.CPUOffload(offload_params=True)),
+    ("mixed_precision", "bf16", "mixed_precision", zs.MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)),
+    ("mixed_precision", "fp16", "mixed_precision", zs.MixedPrecision(torch.float16, torch.float16, torch.float16)),
+    ("fsdp_auto_wrap_policy", "NO_WRAP", "auto_wrap_policy", None),
+])
+def test_accelerate_field_maps_to_keyword(field, value, key, expected):
+    assert from_accelerate_config({field: value})[key] == expected
+
+
+def test_accelerate_defaults_and_non_constructor_settings():
+    kw = from_accelerate_config({})
+    assert kw == {"sharding_strategy": S.FULL_SHARD, "backward_prefetch": None, "forward_prefetch": False,
+                  "auto_wrap_policy": None, "use_orig_params": False, "sync_module_states": True,
+                  "cpu_offload": zs.CPUOffload(offload_params=False)}
+    assert kw.state_dict_type == zs.StateDictType.FULL_STATE_DICT and not kw.cpu_ram_efficient_loading
+    kw = from_accelerate_config({"fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": True})
+    assert kw.state_dict_type == zs.StateDictType.SHARDED_STATE_DICT and kw.cpu_ram_efficient_loading
+    assert from_accelerate_config({"fsdp_state_dict_type": 2}).state_dict_type == zs.StateDictType.LOCAL_STATE_DICT
+    with pytest.warns(UserWarning, match="setting sync_module_states=True"):
+        kw = from_accelerate_config({"fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": False})
+    assert kw["sync_module_states"] is True
+
+
+def test_accelerate_wrap_policies_resolve_against_the_model():
+    model = build("mlp")
+    for names in ("Block", ["Block"], "Block, Linear"):
+        policy = from_accelerate_config({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                         "fsdp_transformer_layer_cls_to_wrap": names}, model=model)["auto_wrap_policy"]
+        assert policy.func is zs.wrap.transformer_auto_wrap_policy
+        assert Block in policy.keywords["transformer_layer_cls"]
+    model._no_split_modules = ["Block"]  # transformers' default list
+    policy = from_accelerate_config({"fsdp_auto_wrap_policy": 1}, model=model)["auto_wrap_policy"]
+    assert policy.keywords["transformer_layer_cls"] == {Block}
+    size = from_accelerate_config({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 100})["auto_wrap_policy"]
+    assert size.func is zs.wrap.size_based_auto_wrap_policy and size.keywords == {"min_num_params": 100}
+    assert from_accelerate_config({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": 0})["auto_wrap_policy"] is None
+
+
+@pytest.mark.parametrize("cfg,model,match", [
+    ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": "GPT2Block"}, True,
+     r"names \['GPT2Block'\], which the model does not contain \(its module classes: Block, Linear, MLP, ModuleList\)"),
+    ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": "Block"}, False, "pass model="),
+    ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"}, True, r"fsdp_transformer_layer_cls_to_wrap = None"),
+    ({"fsdp_auto_wrap_policy": "SIZE_BASED_WRAP", "fsdp_min_num_params": -5}, False, r"fsdp_min_num_params = -5"),
+    ({"fsdp_auto_wrap_policy": "EVERYTHING"}, False, r"fsdp_auto_wrap_policy = 'EVERYTHING'.*TRANSFORMER_BASED_WRAP"),
+    ({"fsdp_sharding_strategy": 6}, False, r"fsdp_sharding_strategy = 6 is not valid. Fix: use one of FULL_SHARD.*\(or 1-5\)"),
+    ({"fsdp_forward_prefetch": "maybe"}, False, r"fsdp_forward_prefetch = 'maybe'.*true or false"),
+    ({"mixed_precision": "fp8"}, False, r"mixed_precision = 'fp8'.*bf16, fp16 or no"),
+    ({"fsdp_version": 2}, False, r"fsdp_version = 2.*FSDP2 is not supported"),
+    ({"fsdp_activation_checkpointing": True}, False, r"activation checkpointing is not implemented"),
+    ({"distributed_type": "DEEPSPEED", "fsdp_config": {}}, False, r"distributed_type = 'DEEPSPEED'"),
+    (["FULL_SHARD"], False, r"expected a mapping, got list"),
+])
+def test_accelerate_errors_name_field_value_and_fix(cfg, model, match):
+    with pytest.raises(ValueError, match=match):
+        from_accelerate_config(cfg, model=build("mlp") if model else None)
+
+
+def test_accelerate_file_forms(tmp_path):
+    whole = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "mixed_precision": "bf16",
+             "num_processes": 2, "fsdp_config": {"fsdp_sharding_strategy": 2, "fsdp_use_orig_params": True, "fsdp_foo": 1}}
+    path = tmp_path / "accelerate.json"
+    path.write_text(json.dumps(whole))
+    with pytest.warns(UserWarning, match="unknown fsdp_config fields ignored: fsdp_foo"):
+        kw = from_accelerate_config(str(path))
+    assert kw["sharding_strategy"] == S.SHARD_GRAD_OP and kw["use_orig_params"] and kw["mixed_precision"].param_dtype == torch.bfloat16
+    yaml_path = tmp_path / "accelerate.yaml"
+    yaml_path.write_text("distributed_type: FSDP\nmixed_precision: 'no'\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n")
+    try:
+        import yaml  # noqa: F401
+    except ImportError:
+        with pytest.raises(ValueError, match="needs PyYAML, which is not installed. Fix: pip install pyyaml, or pass the config as a dict"):
+            from_accelerate_config(str(yaml_path))
+    else:
+        assert from_accelerate_config(str(yaml_path))["sharding_strategy"] == S.SHARD_GRAD_OP
+
+
+def _accelerate_vs_hand(rank, world_size):
+    from zeroshard.engine import initialize
+
+    cfg = {"distributed_type": "FSDP", "mixed_precision": "bf16", "num_processes": world_size, "fsdp_config": {
+        "fsdp_sharding_strategy": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": "Block", "fsdp_backward_prefetch": "BACKWARD_POST",
+        "fsdp_forward_prefetch": True, "fsdp_use_orig_params": True, "fsdp_sync_module_states": True,
+        "fsdp_state_dict_type": "FULL_STATE_DICT", "fsdp_offload_params": False}}
+    base = build("mlp")
+    kw = from_accelerate_config(cfg, model=base)
+    bf16 = zs.MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)
+    a = zs.FSDP(copy.deepcopy(base), **kw)
+    b = zs.FSDP(copy.deepcopy(base), sharding_strategy=S.SHARD_GRAD_OP, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
+                backward_prefetch=P.BACKWARD_POST, forward_prefetch=True, use_orig_params=True, sync_module_states=True,
+                mixed_precision=bf16)
+    units = [[type(u.module).__name__ for u in zs.FSDP.fsdp_modules(m)] for m in (a, b)]
+    assert units[0] == units[1] == ["MLP", "Block", "Block", "Block"], units
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (a, b)]
+    for step in range(3):
+        outs = []
+        for m, o in zip((a, b), opts):
+            out = m(batch("mlp", rank, step))
+            out.float().pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+    same = all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    # The same kwargs drive zeroshard.initialize at stage 2 (their strategy is ZeRO-2).
+    ds = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
+          "zero_optimization": {"stage": 2}}
+    engine, *_ = initialize(model=copy.deepcopy(base), config=ds, fsdp_kwargs=kw)
+    assert engine.wrapped.sharding_strategy == S.SHARD_GRAD_OP and engine.wrapped.mixed_precision == bf16
+    with pytest.raises(ValueError, match="does not implement ZeRO stage 3"):
+        initialize(model=copy.deepcopy(base), config={**ds, "zero_optimization": {"stage": 3}}, fsdp_kwargs=kw)
+    return same
+
+
+def test_accelerate_kwargs_train_like_a_hand_written_wrap(ranks):
+    assert all(ranks.run(2, _accelerate_vs_hand))

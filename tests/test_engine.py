@@ -1,0 +1,421 @@
+"""zeroshard.initialize / Engine: a DeepSpeed training loop on each ZeRO stage
+against the torch engine that defines it, the fp16 loss scaler across ranks,
+and checkpoints that resume bit-exactly.
+
+* stage 3 / 2 == torch FSDP1 FULL_SHARD / SHARD_GRAD_OP (device_id=cpu),
+  torch.equal on every loss, clip norm and parameter shard;
+* stage 0 == torch DDP, torch.equal (the engine runs DDP itself);
+* stage 1 (zeroshard's own ZeRO-1) == DDP: torch.equal on 2 ranks without
+  clipping (same pre-divide, a two-term sum has one order, AdamW is
+  elementwise on the flat master too). Otherwise within 1e-7 (measured up to
+  3e-8, one ulp of these weights): DDP's clip norm combines per-tensor norms
+  of full gradients while ZeRO-1 sums squares of gradient chunks, and on 4
+  ranks gloo's all-reduce and reduce-scatter add the four terms in different
+  orders.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.fsdp as tfsdp
+import torch.distributed.fsdp.wrap as twrap
+from torch.nn.parallel import DistributedDataParallel
+
+import zeroshard as zs
+from models import Block, batch, build
+from zeroshard.ds_config import WarmupLR
+from zeroshard.engine import initialize
+
+LR, WD = 1e-2, 0.01
+SCHED = {"warmup_min_lr": 1e-3, "warmup_max_lr": LR, "warmup_num_steps": 3, "warmup_type": "linear"}
+
+
+def _config(stage, accum=2, clip=0.05, **extra):
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": accum, "gradient_clipping": clip,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}},
+            "scheduler": {"type": "WarmupLR", "params": SCHED}, "zero_optimization": {"stage": stage}, **extra}
+
+
+def _engine(stage, seed=0, **cfg):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        kw = {"fsdp_kwargs": {"auto_wrap_policy": zs.wrap.ModuleWrapPolicy({Block})}} if stage >= 2 else {}
+        return initialize(model=build("mlp", seed=seed), config=_config(stage, **cfg), **kw)
+
+
+def _reference(stage, model, fp16=False):
+    if stage < 2:
+        return DistributedDataParallel(model)
+    strategy = tfsdp.ShardingStrategy.FULL_SHARD if stage == 3 else tfsdp.ShardingStrategy.SHARD_GRAD_OP
+    mp = tfsdp.MixedPrecision(torch.float16, torch.float16, torch.float16) if fp16 else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return tfsdp.FullyShardedDataParallel(model, sharding_strategy=strategy, use_orig_params=True, device_id=torch.device("cpu"),
+                                              auto_wrap_policy=twrap.ModuleWrapPolicy({Block}), mixed_precision=mp)
+
+
+def _against_reference(rank, world_size, stage, accum, clip, steps=3, fp16=False):
+    """The engine and the torch reference driven by the same DeepSpeed-style loop.
+
+    ``fp16`` (stages 2/3): the engine's dynamic loss scaler (2**10, no overflow
+    expected) against torch FSDP1 in fp16 with the scaling written out by hand."""
+    ref = _reference(stage, build("mlp"), fp16)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    sched_ref = WarmupLR(opt_ref, **SCHED)
+    scale = 2.0**10
+    extra = {"fp16": {"enabled": True, "initial_scale_power": 10}} if fp16 else {}
+    with zs.comm_stats() as stats:
+        engine, opt, _, sched = _engine(stage, accum=accum, clip=clip, **extra)
+        stats.calls.clear(), stats.bytes.clear()  # count the training steps only
+        exact, max_diff, norms = True, 0.0, []
+        for step in range(steps):
+            for micro in range(accum):
+                x = batch("mlp", rank, step * accum + micro)
+                last = micro == accum - 1
+                with ref.no_sync() if stage < 2 and not last else contextlib.nullcontext():
+                    loss_ref = ref(x).pow(2).mean()
+                    ((loss_ref / accum).float() * scale if fp16 else loss_ref / accum).backward()
+                loss = engine(x).pow(2).mean()
+                engine.backward(loss)
+                assert not fp16 or engine.loss_scaler.loss_scale == scale
+                assert engine.is_gradient_accumulation_boundary() == last
+                engine.step()
+                exact &= torch.equal(loss_ref, loss)
+                max_diff = max(max_diff, (loss_ref - loss).abs().item())
+            if fp16:
+                for p in ref.parameters():
+                    if p.grad is not None:  # None: a parameter with no element on this rank
+                        p.grad.mul_(1.0 / scale)
+            if clip:
+                norm_ref = ref.clip_grad_norm_(clip) if stage >= 2 else torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                exact &= torch.equal(norm_ref, engine.get_global_grad_norm())
+                norms.append(norm_ref.item())
+            opt_ref.step()
+            sched_ref.step()
+            opt_ref.zero_grad()
+            assert engine.get_lr() == sched_ref.get_last_lr() == sched.get_last_lr()
+            ours = engine.module.named_parameters() if stage >= 2 else engine.module.named_parameters(prefix="module")
+            for (n_ref, a), (n, b) in zip(ref.named_parameters(), ours):
+                assert n_ref == n and a.shape == b.shape, (n_ref, n, a.shape, b.shape)
+                exact &= torch.equal(a, b)
+                max_diff = max(max_diff, (a - b).abs().max().item() if a.numel() else 0.0)
+    assert engine.global_steps == steps and engine.micro_steps == steps * accum
+    out = {"exact": exact, "max_diff": max_diff, "norms": norms}
+    if stage == 1:  # ZeRO-1's own claims: 1/N of the optimizer state, DDP's communication volume
+        part = engine.zero1.parts[0]
+        padded = part.layout.padded_numel
+        assert part.layout.numel == sum(p.numel() for p in engine.module.parameters())
+        assert padded % world_size == 0 and part.master.numel() == padded // world_size
+        assert all(v.numel() == padded // world_size for v in opt.state[part.master].values() if v.dim() > 0)
+        volume = steps * padded * 4 * (world_size - 1) / world_size
+        assert stats.calls["reduce_scatter"] == stats.calls["all_gather"] == steps
+        assert stats.bytes["reduce_scatter"] == stats.bytes["all_gather"] == volume
+    return out
+
+
+@pytest.mark.parametrize("world_size,stage", [(2, 3), (2, 2), (4, 3), (2, 0), (4, 2)])
+def test_sharded_and_ddp_stages_equal_torch_bit_exactly(ranks, world_size, stage):
+    """Stages 2/3 vs torch FSDP1, stage 0 vs DDP: accumulation 2, clipping, WarmupLR."""
+    results = ranks.run(world_size, _against_reference, stage, 2, 0.05)
+    for r in results:
+        assert r["exact"], r
+        assert all(n > 0.05 for n in r["norms"])  # clipping was active
+
+
+@pytest.mark.parametrize("stage", [3, 2])
+def test_fp16_loss_scaling_equals_torch_fsdp_with_manual_scaling(ranks, stage):
+    """fp16 compute and reduction, loss x 2**10 before backward, gradients x 2**-10
+    before clipping: the engine equals torch FSDP1 doing the same by hand."""
+    for r in ranks.run(2, _against_reference, stage, 2, 0.05, 3, True):
+        assert r["exact"], r
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_zero1_equals_ddp(ranks, world_size):
+    """ZeRO-1 (reduce-scatter, sharded AdamW on a flat fp32 master, all-gather)
+    vs DDP (all-reduce, replicated AdamW): same losses and parameters."""
+    for r in ranks.run(world_size, _against_reference, 1, 2, 0.05):
+        assert r["max_diff"] <= 1e-7, r
+        assert all(n > 0.05 for n in r["norms"])
+    unclipped = ranks.run(world_size, _against_reference, 1, 3, 0.0)
+    if world_size == 2:
+        assert all(r["exact"] for r in unclipped), unclipped
+    assert all(r["max_diff"] <= 1e-7 for r in unclipped), unclipped
+
+
+def _zero1_vs_one_partition(rank, world_size, precision):
+    """Stage 1 (N master chunks) vs stage 0 (DDP + one fp32 master partition) in fp16/bf16."""
+    engines = [_engine(stage, clip=0.0, **{precision: {"enabled": True}})[0] for stage in (0, 1)]
+    for engine in engines:
+        _train(engine, rank, 3, 0)
+    ref, ours = engines
+    masters = [torch.cat([p.master.detach() for p in e.zero1.parts]) for e in engines]
+    assert masters[1].numel() == -(-masters[0].numel() // world_size)  # stage 1 keeps 1/N of the fp32 master
+    return all(torch.equal(a, b) for a, b in zip(ref.module.parameters(), ours.module.parameters()))
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_zero1_low_precision_equals_one_partition(ranks, precision):
+    """Low-precision gradients reduced in the model dtype (two-term sums: exact),
+    fp32 master steps: sharding the master changes no bit of the training."""
+    assert all(ranks.run(2, _zero1_vs_one_partition, precision))
+
+
+# ----------------------------------------------------------------- fp16 loss scaling
+def _snapshot(engine, opt):
+    params = [p.detach().clone() for p in engine.module.parameters()]
+    state = {id(p): {k: v.clone() if torch.is_tensor(v) else v for k, v in s.items()} for p, s in opt.state.items()}
+    return params, state
+
+
+def _same(a, b) -> bool:
+    (pa, sa), (pb, sb) = a, b
+    same_params = all(torch.equal(x, y) for x, y in zip(pa, pb))
+    same_state = sa.keys() == sb.keys() and all(
+        sa[k].keys() == sb[k].keys() and all(torch.equal(torch.as_tensor(sa[k][n]), torch.as_tensor(sb[k][n])) for n in sa[k])
+        for k in sa)
+    return same_params and same_state
+
+
+def _inject_inf(engine, stage):
+    """An inf in one gradient element (on the calling rank only), after backward."""
+    grads = [p.grad for p in engine.module.parameters() if p.grad is not None and p.grad.numel() > 0]
+    grads[0].view(-1)[0] = float("inf")
+
+
+def _overflow_sequence(rank, world_size, stage, plan):
+    fp16 = {"enabled": True, "loss_scale": 0, "initial_scale_power": 10, "loss_scale_window": 2, "hysteresis": 2,
+            "min_loss_scale": 512}
+    engine, opt, _, sched = _engine(stage, accum=1, clip=1.0, fp16=fp16)
+    scales, skipped_ok = [], []
+    for i, kind in enumerate(plan):
+        before, lr_before, it_before = _snapshot(engine, opt), engine.get_lr(), sched.last_batch_iteration
+        loss = engine(batch("mlp", rank, i)).float().pow(2).mean()
+        engine.backward(loss)
+        if kind == "inf" and rank == 1:
+            _inject_inf(engine, stage)
+        engine.step()
+        after = _snapshot(engine, opt)
+        if kind == "inf":  # skipped: nothing moved, the scheduler included
+            skipped_ok.append(_same(before, after) and engine.get_lr() == lr_before and sched.last_batch_iteration == it_before)
+        else:
+            skipped_ok.append(not _same(before, after) and sched.last_batch_iteration == it_before + 1)
+        assert all(p.grad is None for p in engine.module.parameters())
+        scales.append(engine.loss_scaler.loss_scale)
+    return {"scales": scales, "ok": skipped_ok, "skipped": engine.skipped_steps, "global_steps": engine.global_steps}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_overflow_on_one_rank_skips_the_step_on_all(ranks, stage):
+    """fp16, dynamic scale 2**10, window 2, hysteresis 2, min 512; an inf
+    gradient on rank 1 only. Expected scales, by DeepSpeed's rules: two clean
+    steps double it; the first overflow spends the hysteresis, the second
+    halves; two clean steps double again and refill; the floor holds at 512."""
+    plan = ["ok", "ok", "inf", "inf", "ok", "ok", "inf", "inf", "inf", "inf"]
+    expected = [1024, 2048, 2048, 1024, 1024, 2048, 2048, 1024, 512, 512]
+    results = ranks.run(2, _overflow_sequence, stage, plan)
+    for r in results:
+        assert r["scales"] == expected, r
+        assert all(r["ok"]), r
+        assert r["skipped"] == plan.count("inf") and r["global_steps"] == len(plan)
+
+
+# ----------------------------------------------------------------------- checkpoints
+def _train(engine, rank, steps, start):
+    accum = engine.gradient_accumulation_steps()
+    for step in range(start, start + steps):
+        for micro in range(accum):
+            loss = engine(batch("mlp", rank, step * accum + micro)).float().pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+
+
+def _equal_nested(a, b) -> bool:
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal_nested(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal_nested(x, y) for x, y in zip(a, b))
+    if torch.is_tensor(a):
+        return torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+def _resume(rank, world_size, stage, ckpt_dir, extra):
+    engine, *_ = _engine(stage, **extra)
+    _train(engine, rank, 3, 0)
+    client = {"epoch": 3, "names": ["a", "b"], "t": torch.arange(4)}
+    engine.save_checkpoint(ckpt_dir, tag="mid", client_state=client)
+    _train(engine, rank, 3, 3)
+    expected = engine._model_state_dict(), engine._optimizer_state_dict(), engine.get_lr()
+    fresh, *_ = _engine(stage, seed=1, **extra)  # other weights, no optimizer state
+    path, got_client = fresh.load_checkpoint(ckpt_dir)  # the tag comes from 'latest'
+    assert path == os.path.join(ckpt_dir, "mid", "mp_rank_00_model_states.pt")
+    assert _equal_nested(got_client, client)
+    assert (fresh.global_steps, fresh.micro_steps) == (3, 6)
+    _train(fresh, rank, 3, 3)
+    got = fresh._model_state_dict(), fresh._optimizer_state_dict(), fresh.get_lr()
+    assert _equal_nested(expected, got)
+    if fresh.loss_scaler is not None:
+        assert fresh.loss_scaler.state_dict() == engine.loss_scaler.state_dict()
+    return True
+
+
+@pytest.mark.parametrize("stage,extra", [(0, {}), (1, {}), (2, {}), (3, {}),
+                                         (1, {"fp16": {"enabled": True, "loss_scale_window": 2}}),
+                                         (3, {"bf16": {"enabled": True}})])
+def test_resume_is_bit_exact(ranks, tmp_path, stage, extra):
+    """Train 3 steps, save, train 3 == load into a differently initialized engine, train 3."""
+    assert all(ranks.run(2, _resume, stage, str(tmp_path), extra))
+
+
+def _save(rank, world_size, stage, ckpt_dir):
+    engine, *_ = _engine(stage)
+    _train(engine, rank, 2, 0)
+    engine.save_checkpoint(ckpt_dir, client_state={"rank": rank})
+    return engine.global_steps
+
+
+def _load_elsewhere(rank, world_size, stage, ckpt_dir, tag):
+    engine, *_ = _engine(stage, seed=1)
+    path, client = engine.load_checkpoint(ckpt_dir, tag=tag)
+    saved = torch.load(path, weights_only=False)
+    saved_optim = torch.load(os.path.join(os.path.dirname(path), "zero_optim_states.pt"), weights_only=False)["optimizer"]
+    return client == {"rank": 0} and _equal_nested(saved["module"], engine._model_state_dict()) and \
+        _equal_nested(saved_optim, engine._optimizer_state_dict())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_checkpoint_reloads_at_another_world_size(ranks, tmp_path, stage):
+    """Saved on 2 ranks, loaded on 4: the full model and optimizer states come back
+    unchanged (ZeRO-1's flat states and FSDP's are gathered, not per rank). The
+    client_state stored is rank 0's, as in DeepSpeed."""
+    (steps, _) = ranks.run(2, _save, stage, str(tmp_path))
+    assert (tmp_path / "latest").read_text() == f"global_step{steps}"
+    assert all(ranks.run(4, _load_elsewhere, stage, str(tmp_path), f"global_step{steps}"))
+
+
+def _missing(rank, world_size, ckpt_dir):
+    engine, *_ = _engine(1)
+    with pytest.warns(UserWarning, match="no 'latest' file"):
+        assert engine.load_checkpoint(ckpt_dir) == (None, None)
+    with pytest.warns(UserWarning, match="does not exist"):
+        assert engine.load_checkpoint(ckpt_dir, tag="nope") == (None, None)
+    with pytest.raises(ValueError, match="different tags"):
+        engine.save_checkpoint(ckpt_dir, tag=f"t{rank}")
+    return True
+
+
+def test_missing_checkpoint_and_mismatched_tags(ranks, tmp_path):
+    assert all(ranks.run(2, _missing, str(tmp_path)))
+
+
+def _across_stages(rank, world_size, ckpt_dir):
+    """Model states are the plain model's, so they load at any stage; optimizer
+    states have a per-stage form and refuse to load elsewhere."""
+    saved, *_ = _engine(3)
+    _train(saved, rank, 2, 0)
+    saved.save_checkpoint(ckpt_dir, tag="s3")
+    weights = saved._model_state_dict()
+    other, *_ = _engine(1, seed=1)
+    before = other._model_state_dict()
+    with pytest.raises(ValueError, match=r"is in the 'fsdp full' form \(ZeRO stage 3\), this engine needs 'zero1 flat master'"):
+        other.load_checkpoint(ckpt_dir, "s3")
+    assert _equal_nested(before, other._model_state_dict())  # refused before changing anything
+    other.load_checkpoint(ckpt_dir, "s3", load_optimizer_states=False)
+    assert _equal_nested(weights, other._model_state_dict())
+    master = torch.cat([p.master.detach() for p in other.zero1.parts])  # rebuilt from the loaded weights
+    flat = torch.cat([p.detach().reshape(-1) for p in other.module.parameters()])
+    n = master.numel()
+    assert torch.equal(master[: max(0, min(n, flat.numel() - rank * n))], flat[rank * n: (rank + 1) * n])
+    return True
+
+
+def test_weights_load_across_stages_optimizer_state_does_not(ranks, tmp_path):
+    assert all(ranks.run(2, _across_stages, str(tmp_path)))
+
+
+# ------------------------------------------------------------ initialize surface
+def _surface(rank, world_size):
+    model = build("mlp")
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    no_decay = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-2)
+    data = [torch.randn(5) for _ in range(32)]
+    cfg = {"train_batch_size": 16, "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}
+    engine, optimizer, loader, sched = initialize(model=model, optimizer=opt, training_data=data, config=cfg,
+                                                  lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5))
+    assert optimizer is opt and len(opt.param_groups) == 2 and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    assert isinstance(sched, torch.optim.lr_scheduler.StepLR) and sched.optimizer is opt
+    assert engine.train_batch_size() == 16 and engine.train_micro_batch_size_per_gpu() == 4
+    assert engine.local_rank == rank and engine.module is model and engine.scale is model.scale  # attribute pass-through
+    for x in loader:
+        assert x.shape == (4, 5)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    assert engine.global_steps == 32 // 16 and engine.get_lr() == [1e-2 * 0.25] * 2
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_initialize_with_user_optimizer_groups_scheduler_and_data(ranks):
+    """A user optimizer with two param groups (ZeRO-1 keeps both: one master
+    chunk per group), a scheduler factory, training_data -> a sharded loader;
+    replicas stay identical."""
+    a, b = ranks.run(2, _surface)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _offload_equals_plain(rank, world_size, stage, offload):
+    plain, *_ = _engine(stage)
+    moved, *_ = _engine(stage, zero_optimization={"stage": stage, offload: {"device": "cpu", "pin_memory": True}})
+    if offload == "offload_optimizer" and stage == 1:
+        assert all(part.master.device.type == "cpu" for part in moved.zero1.parts)
+    else:
+        assert moved.wrapped.cpu_offload.offload_params
+    for engine in (plain, moved):
+        _train(engine, rank, 2, 0)
+    return all(torch.equal(a, b) for a, b in zip(plain.module.parameters(), moved.module.parameters()))
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "offload_optimizer"), (2, "offload_optimizer"), (3, "offload_param")])
+def test_cpu_offload_trains_identically(ranks, stage, offload):
+    """On a CPU compute device the offload moves are no-ops: same bits as without."""
+    assert all(ranks.run(2, _offload_equals_plain, stage, offload))
+
+
+def _initialize_errors(rank, world_size):
+    cfg = _config(1)
+    model = build("mlp")
+    cases = [
+        (dict(model=None, config=cfg), "model= is required"),
+        (dict(model=model), "no config"),
+        (dict(model=model, config=cfg, mpu=object()), r"model parallelism \(mpu=\) is not supported"),
+        (dict(model=model, config=cfg, optimizer=torch.optim.SGD(model.parameters(), lr=0.1)),
+         "both optimizer= and a config 'optimizer' section"),
+        (dict(model=model, config=cfg, lr_scheduler=lambda o: None), "both lr_scheduler= and a config 'scheduler' section"),
+        (dict(model=model, config=cfg, fsdp_kwargs={"forward_prefetch": True}), "fsdp_kwargs apply to ZeRO stages 2 and 3"),
+        (dict(model=model, config=_config(3), fsdp_kwargs={"use_orig_params": False}), "use_orig_params=True"),
+        (dict(model=model, config=_config(3, bf16={"enabled": True}),
+              fsdp_kwargs={"mixed_precision": zs.MixedPrecision(param_dtype=torch.float16)}), "contradicts the config's torch.bfloat16"),
+        (dict(model=model, config=cfg, model_parameters=[torch.nn.Parameter(torch.zeros(2))]), "not a parameter of model"),
+        (dict(model=model, config={**MICRO_ONLY, "scheduler": cfg["scheduler"]}), "a 'scheduler' section needs an optimizer"),
+    ]
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            initialize(**kwargs)
+    engine, opt, _, _ = initialize(model=build("mlp"), config=MICRO_ONLY)  # no optimizer: inference only
+    assert opt is None
+    engine.backward(engine(batch("mlp", rank, 0)).sum())
+    with pytest.raises(RuntimeError, match="step\\(\\) without an optimizer"):
+        engine.step()
+    return True
+
+
+MICRO_ONLY = {"train_micro_batch_size_per_gpu": 4}
+
+
+def test_initialize_errors_name_the_fix(ranks):
+    assert all(ranks.run(2, _initialize_errors))

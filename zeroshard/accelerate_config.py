@@ -1,0 +1,198 @@
+"""Accelerate's FSDP config as zeroshard ``FullyShardedDataParallel`` keywords
+(the fields of ``accelerate config``'s YAML that Accelerate's
+``FullyShardedDataParallelPlugin`` reads), so a script configured for
+``accelerate launch`` with FSDP can wrap its model with zeroshard::
+
+    kw = zeroshard.from_accelerate_config("fsdp.yaml", model=model)
+    model = zeroshard.FullyShardedDataParallel(model, **kw)
+    zeroshard.FullyShardedDataParallel.set_state_dict_type(model, kw.state_dict_type)
+
+Accepted: the ``fsdp_config`` mapping itself, or a whole Accelerate config
+(``{"distributed_type": "FSDP", "mixed_precision": "bf16", "fsdp_config":
+{...}}``; its launcher keys such as ``num_processes`` are ignored), as a dict
+or a path to a YAML (needs PyYAML) or JSON file.
+
+| field | values | keyword |
+|---|---|---|
+| fsdp_sharding_strategy | FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, HYBRID_SHARD_ZERO2, or Accelerate's 1-based int | sharding_strategy |
+| fsdp_reshard_after_forward | true (FULL_SHARD) / false (SHARD_GRAD_OP), or a strategy name | sharding_strategy |
+| fsdp_backward_prefetch (older: fsdp_backward_prefetch_policy) | BACKWARD_PRE, BACKWARD_POST, NO_PREFETCH (or 1-based int) | backward_prefetch |
+| fsdp_forward_prefetch | bool | forward_prefetch |
+| fsdp_auto_wrap_policy | TRANSFORMER_BASED_WRAP (+ fsdp_transformer_layer_cls_to_wrap, class names looked up in ``model``; default ``model._no_split_modules``), SIZE_BASED_WRAP (+ fsdp_min_num_params; 0 means no wrapping, as in Accelerate), NO_WRAP | auto_wrap_policy |
+| fsdp_use_orig_params | bool | use_orig_params |
+| fsdp_sync_module_states | bool | sync_module_states |
+| fsdp_cpu_ram_efficient_loading | bool; forces sync_module_states (Accelerate warns and does the same) | ``kw.cpu_ram_efficient_loading`` |
+| fsdp_offload_params | bool | cpu_offload=CPUOffload(offload_params=...) |
+| fsdp_state_dict_type | FULL_STATE_DICT, LOCAL_STATE_DICT, SHARDED_STATE_DICT (or 1-based int) | ``kw.state_dict_type`` (not a constructor keyword) |
+| mixed_precision (top level or in fsdp_config) | bf16, fp16, no | mixed_precision=MixedPrecision(d, d, d), as Accelerate |
+
+A field left out takes Accelerate's plugin default: FULL_SHARD, no prefetch,
+no forward prefetch, NO_WRAP, use_orig_params false, sync_module_states true,
+no offload, FULL_STATE_DICT, no mixed precision. ``fsdp_version: 2`` and
+``fsdp_activation_checkpointing: true`` are refused (not implemented); other
+unknown fields draw one warning listing them; bad values raise ``ValueError``
+naming the field, the value and the fix.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import warnings
+
+import torch
+import torch.nn as nn
+
+from . import wrap
+from .options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
+
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
+PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
+STATE_DICT_TYPES = ["FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"]
+WRAP_POLICIES = ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"]
+KNOWN = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_backward_prefetch", "fsdp_backward_prefetch_policy",
+         "fsdp_forward_prefetch", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
+         "fsdp_use_orig_params", "fsdp_sync_module_states", "fsdp_cpu_ram_efficient_loading", "fsdp_offload_params",
+         "fsdp_state_dict_type", "mixed_precision", "fsdp_version", "fsdp_activation_checkpointing"}
+
+
+class FSDPKwargs(dict):
+    """Keyword arguments for FullyShardedDataParallel, plus the two settings that are not constructor keywords."""
+
+    state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
+    cpu_ram_efficient_loading: bool = False
+
+
+def _bad(key, value, expected: str) -> ValueError:
+    return ValueError(f"zeroshard accelerate config: {key} = {value!r} is not valid. Fix: use {expected}.")
+
+
+def _bool(key, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("true", "yes", "y", "on", "1"):
+        return True
+    if text in ("false", "no", "n", "off", "0"):
+        return False
+    raise _bad(key, value, "true or false")
+
+
+def _choice(key, value, names: list[str]) -> str:
+    """A name from ``names`` given as a name (any case) or Accelerate's 1-based index."""
+    if isinstance(value, int) and not isinstance(value, bool) or isinstance(value, str) and value.strip().isdigit():
+        i = int(value)
+        if 1 <= i <= len(names):
+            return names[i - 1]
+    elif isinstance(value, str) and value.strip().upper() in names:
+        return value.strip().upper()
+    raise _bad(key, value, f"one of {', '.join(names)} (or 1-{len(names)})")
+
+
+def _read(config):
+    if not isinstance(config, (str, os.PathLike)):
+        return config
+    path = os.fspath(config)
+    with open(path) as f:
+        text = f.read()
+    if path.endswith(".json"):
+        return json.loads(text)
+    try:
+        import yaml
+    except ImportError:
+        raise ValueError(f"zeroshard accelerate config: reading {path} needs PyYAML, which is not installed. Fix: "
+                         "pip install pyyaml, or pass the config as a dict or a .json file.") from None
+    return yaml.safe_load(text)
+
+
+def from_accelerate_config(config, model: nn.Module | None = None) -> FSDPKwargs:
+    """Keyword arguments for ``zeroshard.FullyShardedDataParallel`` from an Accelerate FSDP config.
+
+    ``model`` is needed to resolve ``fsdp_transformer_layer_cls_to_wrap`` class names.
+    """
+    config = _read(config)
+    if not isinstance(config, dict):
+        raise ValueError(f"zeroshard accelerate config: expected a mapping, got {type(config).__name__}. "
+                         "Fix: pass the fsdp_config dict, a whole accelerate config dict, or a YAML/JSON path.")
+    fsdp = config
+    if "fsdp_config" in config:  # a whole accelerate config file
+        kind = config.get("distributed_type", "FSDP")
+        if str(kind).upper() != "FSDP":
+            raise _bad("distributed_type", kind, '"FSDP" (this config is for another backend)')
+        fsdp = dict(config["fsdp_config"] or {})
+        if "mixed_precision" in config:
+            fsdp.setdefault("mixed_precision", config["mixed_precision"])
+    unknown = sorted(k for k in fsdp if k not in KNOWN)
+    if unknown:
+        warnings.warn(f"zeroshard accelerate config: unknown fsdp_config fields ignored: {', '.join(unknown)}.", stacklevel=2)
+    if str(fsdp.get("fsdp_version", 1)) != "1":
+        raise _bad("fsdp_version", fsdp["fsdp_version"], "1 (zeroshard implements FSDP1's API; FSDP2 is not supported)")
+    if _bool("fsdp_activation_checkpointing", fsdp.get("fsdp_activation_checkpointing", False)):
+        raise _bad("fsdp_activation_checkpointing", fsdp["fsdp_activation_checkpointing"],
+                   "false (activation checkpointing is not implemented; apply torch.utils.checkpoint in the model)")
+    kw = FSDPKwargs()
+    kw["sharding_strategy"] = _strategy(fsdp)
+    prefetch_key = "fsdp_backward_prefetch" if "fsdp_backward_prefetch" in fsdp else "fsdp_backward_prefetch_policy"
+    prefetch = _choice(prefetch_key, fsdp.get(prefetch_key, "NO_PREFETCH"), PREFETCH)
+    kw["backward_prefetch"] = None if prefetch == "NO_PREFETCH" else BackwardPrefetch[prefetch]
+    kw["forward_prefetch"] = _bool("fsdp_forward_prefetch", fsdp.get("fsdp_forward_prefetch", False))
+    kw["auto_wrap_policy"] = _wrap_policy(fsdp, model)
+    kw["use_orig_params"] = _bool("fsdp_use_orig_params", fsdp.get("fsdp_use_orig_params", False))
+    kw["sync_module_states"] = _bool("fsdp_sync_module_states", fsdp.get("fsdp_sync_module_states", True))
+    kw.cpu_ram_efficient_loading = _bool("fsdp_cpu_ram_efficient_loading", fsdp.get("fsdp_cpu_ram_efficient_loading", False))
+    if kw.cpu_ram_efficient_loading and not kw["sync_module_states"]:
+        warnings.warn("zeroshard accelerate config: fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states "
+                      "(ranks other than 0 load no weights); setting sync_module_states=True, as Accelerate does.", stacklevel=2)
+        kw["sync_module_states"] = True
+    kw["cpu_offload"] = CPUOffload(offload_params=_bool("fsdp_offload_params", fsdp.get("fsdp_offload_params", False)))
+    kw.state_dict_type = StateDictType[_choice("fsdp_state_dict_type", fsdp.get("fsdp_state_dict_type", "FULL_STATE_DICT"), STATE_DICT_TYPES)]
+    mp = fsdp.get("mixed_precision", "no")
+    dtypes = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+    if mp not in dtypes:
+        raise _bad("mixed_precision", mp, "bf16, fp16 or no")
+    if dtypes[mp] is not None:
+        d = dtypes[mp]
+        kw["mixed_precision"] = MixedPrecision(param_dtype=d, reduce_dtype=d, buffer_dtype=d)
+    return kw
+
+
+def _strategy(fsdp: dict) -> ShardingStrategy:
+    if "fsdp_sharding_strategy" in fsdp:
+        name = _choice("fsdp_sharding_strategy", fsdp["fsdp_sharding_strategy"], STRATEGIES)
+    elif "fsdp_reshard_after_forward" in fsdp:
+        value = fsdp["fsdp_reshard_after_forward"]
+        if isinstance(value, str) and value.strip().upper() in STRATEGIES:
+            name = value.strip().upper()
+        else:
+            name = "FULL_SHARD" if _bool("fsdp_reshard_after_forward", value) else "SHARD_GRAD_OP"
+    else:
+        name = "FULL_SHARD"
+    return ShardingStrategy["_HYBRID_SHARD_ZERO2" if name == "HYBRID_SHARD_ZERO2" else name]
+
+
+def _wrap_policy(fsdp: dict, model: nn.Module | None):
+    policy = _choice("fsdp_auto_wrap_policy", fsdp.get("fsdp_auto_wrap_policy", "NO_WRAP"), WRAP_POLICIES)
+    if policy == "NO_WRAP":
+        return None
+    if policy == "SIZE_BASED_WRAP":
+        n = fsdp.get("fsdp_min_num_params", int(1e8))
+        if isinstance(n, bool) or not isinstance(n, int) and not (isinstance(n, str) and n.strip().isdigit()) or int(n) < 0:
+            raise _bad("fsdp_min_num_params", n, "an integer >= 0")
+        n = int(n)
+        return functools.partial(wrap.size_based_auto_wrap_policy, min_num_params=n) if n > 0 else None
+    names = fsdp.get("fsdp_transformer_layer_cls_to_wrap")
+    if model is None:
+        raise ValueError("zeroshard accelerate config: fsdp_auto_wrap_policy = TRANSFORMER_BASED_WRAP names classes "
+                         "that are looked up in the model. Fix: pass model= to from_accelerate_config.")
+    if names is None:
+        names = getattr(model, "_no_split_modules", None)
+        if not names:
+            raise _bad("fsdp_transformer_layer_cls_to_wrap", None, "the block class names to wrap, e.g. 'GPT2Block,LlamaDecoderLayer'")
+    if isinstance(names, str):
+        names = [n.strip() for n in names.split(",") if n.strip()]
+    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    missing = [n for n in names if n not in by_name]
+    if missing:
+        raise ValueError(f"zeroshard accelerate config: fsdp_transformer_layer_cls_to_wrap names {missing}, which the model "
+                         f"does not contain (its module classes: {', '.join(sorted(by_name))}). Fix: use those class names.")
+    return functools.partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls={by_name[n] for n in names})

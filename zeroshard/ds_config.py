@@ -1,0 +1,359 @@
+"""DeepSpeed's JSON config, the subset people use: parsed, validated, and turned
+into an optimizer and an LR scheduler (``deepspeed/runtime/config.py``,
+``deepspeed/runtime/lr_schedules.py``).
+
+Honored keys:
+
+* ``train_batch_size``, ``train_micro_batch_size_per_gpu``,
+  ``gradient_accumulation_steps``: train_batch = micro x accumulation x world
+  size; any two determine the third (as DeepSpeed), one of the first two alone
+  implies accumulation 1; values that do not fit raise naming all three.
+* ``gradient_clipping`` (0 = off): global L2 norm, after unscaling.
+* ``optimizer`` {type Adam | AdamW | SGD, params}. As in DeepSpeed, ``Adam``
+  is AdamW (decoupled weight decay) unless ``"adam_w_mode": false``, and the
+  default ``weight_decay`` is 0 (FusedAdam's), not torch AdamW's 0.01.
+  ``torch_adam`` is accepted (zeroshard always uses torch.optim).
+* ``scheduler`` {type WarmupLR | WarmupDecayLR, params warmup_min_lr,
+  warmup_max_lr, warmup_num_steps, warmup_type log | linear, total_num_steps}
+  with DeepSpeed's formulas and step counting (lr = min_lr before the first
+  step; ``warmup_max_lr`` defaults to the optimizer's lr).
+* ``fp16`` {enabled, loss_scale (0 = dynamic), initial_scale_power,
+  loss_scale_window, hysteresis, min_loss_scale, consecutive_hysteresis}: see
+  ``loss_scale``; ``auto_cast`` (cast floating inputs to fp16 at stages 0/1)
+  defaults to true here, false in DeepSpeed (whose users cast inputs
+  themselves). ``bf16`` (or ``bfloat16``) {enabled}.
+* ``zero_optimization`` {stage 0-3, offload_param / offload_optimizer
+  {device: cpu | none}}: see ``engine``.
+
+Accepted, validated, but **not acted on** (zeroshard's engine issues one
+collective per unit and has no such knobs yet; bucketing is being added to the
+core engine separately): ``zero_optimization.reduce_bucket_size``,
+``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``,
+``stage3_max_live_parameters``, and ``pin_memory`` inside the offload sections.
+
+Any other key draws one ``warnings.warn`` listing every unknown key (it is
+ignored). A wrong type or value raises ``ValueError`` naming the key, the
+value and the fix. ``"auto"`` values (filled in by the HF Trainer) are
+rejected with that explanation.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
+            "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization"}
+FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
+             "consecutive_hysteresis", "auto_cast"}
+ZERO_KEYS = {"stage", "offload_param", "offload_optimizer"}
+ZERO_NOT_ACTED_ON = {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+                     "stage3_max_live_parameters"}
+OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"},
+                    "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"}}
+SCHEDULER_PARAMS = {"WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
+                    "WarmupDecayLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"}}
+
+
+def _bad(key: str, value, why: str, fix: str) -> ValueError:
+    if value == "auto":
+        why, fix = "'auto' is filled in by the HF Trainer / Accelerate integration, which zeroshard does not run", "write the value itself"
+    return ValueError(f"zeroshard config: {key} = {value!r}: {why}. Fix: {fix}.")
+
+
+def _int(key, value, minimum=0):
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise _bad(key, value, f"expected an integer >= {minimum}", f"write an integer >= {minimum} (a JSON number, not a string)")
+    return value
+
+
+def _number(key, value, minimum=0.0):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < minimum:
+        raise _bad(key, value, f"expected a number >= {minimum}", f"write a number >= {minimum} (a JSON number, not a string)")
+    return float(value)
+
+
+def _bool(key, value):
+    if not isinstance(value, bool):
+        raise _bad(key, value, "expected true or false", "write true or false (a JSON boolean, not a string)")
+    return value
+
+
+def _section(key, value) -> dict:
+    if not isinstance(value, dict):
+        raise _bad(key, value, "expected an object", f'write "{key}": {{...}}')
+    return value
+
+
+@dataclass
+class FP16Config:
+    enabled: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    consecutive_hysteresis: bool = False
+    auto_cast: bool = True
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    offload_param: bool = False
+    offload_optimizer: bool = False
+    not_acted_on: dict = field(default_factory=dict)  # present keys zeroshard accepts but ignores
+
+
+@dataclass
+class DeepSpeedConfig:
+    train_batch_size: int
+    train_micro_batch_size_per_gpu: int
+    gradient_accumulation_steps: int
+    gradient_clipping: float = 0.0
+    optimizer: dict | None = None  # {"type": "adam"|"sgd", "adamw": bool, "params": {...}}
+    scheduler: dict | None = None  # {"type": "WarmupLR"|"WarmupDecayLR", "params": {...}}
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: bool = False
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    raw: dict = field(default_factory=dict)
+
+    @property
+    def low_precision_dtype(self) -> torch.dtype | None:
+        return torch.float16 if self.fp16.enabled else torch.bfloat16 if self.bf16 else None
+
+
+def load_config(config, world_size: int) -> DeepSpeedConfig:
+    """Parse a config dict or a JSON file path and validate it for ``world_size`` ranks."""
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"zeroshard config: expected a dict or a path to a JSON file, got {type(config).__name__}. "
+                         "Fix: pass config={...} or config='ds_config.json'.")
+    unknown = [k for k in config if k not in TOP_KEYS]
+    micro, accum, train = _batch_sizes(config, world_size)
+    cfg = DeepSpeedConfig(train, micro, accum, raw=dict(config))
+    cfg.gradient_clipping = _number("gradient_clipping", config.get("gradient_clipping", 0.0))
+    if config.get("optimizer") is not None:
+        cfg.optimizer = _optimizer(_section("optimizer", config["optimizer"]), unknown)
+    if config.get("scheduler") is not None:
+        cfg.scheduler = _scheduler(_section("scheduler", config["scheduler"]), unknown)
+    fp16 = _section("fp16", config.get("fp16", {}))
+    unknown += [f"fp16.{k}" for k in fp16 if k not in FP16_KEYS]
+    cfg.fp16 = FP16Config(
+        enabled=_bool("fp16.enabled", fp16.get("enabled", False)),
+        loss_scale=_number("fp16.loss_scale", fp16.get("loss_scale", 0.0)),
+        initial_scale_power=_int("fp16.initial_scale_power", fp16.get("initial_scale_power", 16)),
+        loss_scale_window=_int("fp16.loss_scale_window", fp16.get("loss_scale_window", 1000), 1),
+        hysteresis=_int("fp16.hysteresis", fp16.get("hysteresis", 2), 1),
+        min_loss_scale=_number("fp16.min_loss_scale", fp16.get("min_loss_scale", 1.0)),
+        consecutive_hysteresis=_bool("fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)),
+        auto_cast=_bool("fp16.auto_cast", fp16.get("auto_cast", True)),
+    )
+    if cfg.fp16.min_loss_scale <= 0:
+        raise _bad("fp16.min_loss_scale", fp16["min_loss_scale"], "the scale must stay positive", "use e.g. 1")
+    if "bf16" in config and "bfloat16" in config:
+        raise _bad("bfloat16", config["bfloat16"], '"bf16" and its alias "bfloat16" are both given', "keep one of them")
+    bf16_key = "bfloat16" if "bfloat16" in config else "bf16"
+    bf16 = _section(bf16_key, config.get(bf16_key, {}))
+    unknown += [f"{bf16_key}.{k}" for k in bf16 if k != "enabled"]
+    cfg.bf16 = _bool(f"{bf16_key}.enabled", bf16.get("enabled", False))
+    if cfg.bf16 and cfg.fp16.enabled:
+        raise _bad("fp16.enabled", True, f'"fp16" and "{bf16_key}" cannot both be enabled', "enable one of them")
+    cfg.zero = _zero(_section("zero_optimization", config.get("zero_optimization", {})), unknown)
+    if unknown:
+        warnings.warn(f"zeroshard config: unknown keys ignored: {', '.join(repr(k) for k in unknown)}. zeroshard reads "
+                      "only the DeepSpeed keys listed in zeroshard/ds_config.py; check for typos.", stacklevel=3)
+    return cfg
+
+
+def _batch_sizes(config: dict, world: int) -> tuple[int, int, int]:
+    names = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+    train, micro, accum = (None if config.get(k) is None else _int(k, config[k], 1) for k in names)
+    given = f"train_batch_size={train}, train_micro_batch_size_per_gpu={micro}, gradient_accumulation_steps={accum}"
+    if train is None and micro is None:
+        raise ValueError(f"zeroshard config: {given}: one of train_batch_size and train_micro_batch_size_per_gpu is "
+                         "required. Fix: give train_micro_batch_size_per_gpu (and gradient_accumulation_steps).")
+    if train is not None and micro is None:
+        accum = accum or 1
+        micro = train // (accum * world)
+    elif train is not None and accum is None:
+        accum = train // (micro * world)
+    accum = accum or 1
+    if train is None:
+        train = micro * accum * world
+    if micro < 1 or accum < 1 or train != micro * accum * world:
+        raise ValueError(
+            f"zeroshard config: {given} do not fit {world} ranks: train_batch_size must equal "
+            f"train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size "
+            f"({micro} x {accum} x {world} = {micro * accum * world}). Fix: give two of the three and let zeroshard "
+            "derive the third, or make the product exact.")
+    return micro, accum, train
+
+
+def _optimizer(sec: dict, unknown: list) -> dict:
+    unknown += [f"optimizer.{k}" for k in sec if k not in ("type", "params")]
+    name = sec.get("type")
+    kind = name.lower() if isinstance(name, str) else None
+    if kind not in ("adam", "adamw", "sgd"):
+        raise _bad("optimizer.type", name, "zeroshard builds Adam, AdamW and SGD", 'use "Adam", "AdamW" or "SGD" (or pass optimizer=... to initialize)')
+    params = dict(_section("optimizer.params", sec.get("params", {})))
+    allowed = OPTIMIZER_PARAMS["sgd" if kind == "sgd" else "adam"]
+    for k in [k for k in params if k not in allowed]:
+        unknown.append(f"optimizer.params.{k}")
+        del params[k]
+    for k in ("lr", "eps", "weight_decay", "momentum", "dampening"):
+        if k in params:
+            params[k] = _number(f"optimizer.params.{k}", params[k])
+    if "betas" in params:
+        b = params["betas"]
+        if not (isinstance(b, (list, tuple)) and len(b) == 2 and all(isinstance(x, (int, float)) and 0 <= x < 1 for x in b)):
+            raise _bad("optimizer.params.betas", b, "expected two numbers in [0, 1)", "write e.g. [0.9, 0.999]")
+        params["betas"] = tuple(float(x) for x in b)
+    for k in ("amsgrad", "adam_w_mode", "torch_adam", "nesterov"):
+        if k in params:
+            _bool(f"optimizer.params.{k}", params[k])
+    adamw = kind == "adamw" or (kind == "adam" and params.pop("adam_w_mode", True))
+    params.pop("adam_w_mode", None)
+    params.pop("torch_adam", None)
+    if kind == "sgd" and "lr" not in params:
+        raise _bad("optimizer.params.lr", None, "SGD needs a learning rate", 'add "lr" to optimizer.params')
+    return {"type": "sgd" if kind == "sgd" else "adam", "adamw": adamw, "params": params}
+
+
+def build_optimizer(spec: dict, param_groups) -> torch.optim.Optimizer:
+    """The torch optimizer a parsed ``optimizer`` section describes, over ``param_groups``."""
+    params = dict(spec["params"])
+    if spec["type"] == "sgd":
+        return torch.optim.SGD(param_groups, **params)
+    params.setdefault("lr", 1e-3)
+    params.setdefault("weight_decay", 0.0)  # DeepSpeed's FusedAdam default, also for "AdamW"
+    return (torch.optim.AdamW if spec["adamw"] else torch.optim.Adam)(param_groups, **params)
+
+
+def _scheduler(sec: dict, unknown: list) -> dict:
+    unknown += [f"scheduler.{k}" for k in sec if k not in ("type", "params")]
+    kind = sec.get("type")
+    if kind not in SCHEDULER_PARAMS:
+        raise _bad("scheduler.type", kind, "zeroshard implements DeepSpeed's WarmupLR and WarmupDecayLR",
+                   'use "WarmupLR" or "WarmupDecayLR" (or pass lr_scheduler=... to initialize)')
+    params = dict(_section("scheduler.params", sec.get("params", {})))
+    for k in [k for k in params if k not in SCHEDULER_PARAMS[kind]]:
+        unknown.append(f"scheduler.params.{k}")
+        del params[k]
+    for k in ("warmup_min_lr", "warmup_max_lr"):
+        if params.get(k) is not None:
+            params[k] = _number(f"scheduler.params.{k}", params[k])
+    params["warmup_num_steps"] = _int("scheduler.params.warmup_num_steps", params.get("warmup_num_steps", 1000), 1)
+    if params.get("warmup_type", "log") not in ("log", "linear"):
+        raise _bad("scheduler.params.warmup_type", params["warmup_type"], "expected 'log' or 'linear'", 'write "log" or "linear"')
+    if kind == "WarmupDecayLR":
+        if "total_num_steps" not in params:
+            raise _bad("scheduler.params.total_num_steps", None, "WarmupDecayLR needs the total number of steps", 'add "total_num_steps"')
+        params["total_num_steps"] = _int("scheduler.params.total_num_steps", params["total_num_steps"], 1)
+    return {"type": kind, "params": params}
+
+
+def _zero(sec: dict, unknown: list) -> ZeroConfig:
+    zero = ZeroConfig(stage=sec.get("stage", 0))
+    if isinstance(zero.stage, bool) or not isinstance(zero.stage, int) or zero.stage not in (0, 1, 2, 3):
+        raise _bad("zero_optimization.stage", zero.stage, "ZeRO stages are 0, 1, 2 and 3", "write 0, 1, 2 or 3")
+    for name in ("offload_param", "offload_optimizer"):
+        if sec.get(name) is None:
+            continue
+        off = _section(f"zero_optimization.{name}", sec[name])
+        unknown += [f"zero_optimization.{name}.{k}" for k in off if k not in ("device", "pin_memory")]
+        device = off.get("device", "none")
+        if device not in ("cpu", "none"):
+            raise _bad(f"zero_optimization.{name}.device", device, "zeroshard offloads to CPU only (no NVMe)", 'write "cpu" or "none"')
+        setattr(zero, name, device == "cpu")
+    if zero.offload_param and zero.stage != 3:
+        raise _bad("zero_optimization.offload_param.device", "cpu", f"parameter offload needs ZeRO stage 3 (stage is {zero.stage})",
+                   'set "stage": 3 or use offload_optimizer')
+    if zero.offload_optimizer and zero.stage == 0:
+        raise _bad("zero_optimization.offload_optimizer.device", "cpu", "optimizer offload needs ZeRO stage 1, 2 or 3",
+                   'set "stage" to 1, 2 or 3')
+    for k in sorted(ZERO_NOT_ACTED_ON & set(sec)):
+        zero.not_acted_on[k] = _number(f"zero_optimization.{k}", sec[k])
+    unknown += [f"zero_optimization.{k}" for k in sec if k not in ZERO_KEYS | ZERO_NOT_ACTED_ON]
+    return zero
+
+
+class WarmupLR:
+    """DeepSpeed's WarmupLR: from warmup_min_lr to warmup_max_lr over warmup_num_steps
+    (log: min + delta * ln(i + 1) / ln(n); linear: min + delta * i / n), then flat.
+
+    ``last_batch_iteration`` counts from -1; construction sets lr = min_lr, and
+    each ``step()`` advances it by one (so after k steps the lr is that of i = k - 1).
+    """
+
+    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000, warmup_type="log",
+                 last_batch_iteration=-1):
+        self.optimizer = optimizer
+        if warmup_max_lr is None:
+            warmup_max_lr = optimizer.param_groups[0]["lr"]
+        n = len(optimizer.param_groups)
+        self.min_lrs = list(warmup_min_lr) if isinstance(warmup_min_lr, (list, tuple)) else [warmup_min_lr] * n
+        self.max_lrs = list(warmup_max_lr) if isinstance(warmup_max_lr, (list, tuple)) else [warmup_max_lr] * n
+        self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
+        self.warmup_num_steps = max(2, warmup_num_steps)
+        self.warmup_type = warmup_type
+        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
+        self.last_batch_iteration = last_batch_iteration
+        if last_batch_iteration == -1:
+            self._set(self.get_lr())
+
+    def _gamma(self) -> float:
+        i = self.last_batch_iteration
+        if i < self.warmup_num_steps:
+            return self.inverse_log_warm_up * math.log(i + 1) if self.warmup_type == "log" else i / self.warmup_num_steps
+        return 1.0
+
+    def get_lr(self) -> list[float]:
+        if self.last_batch_iteration < 0:
+            return list(self.min_lrs)
+        gamma = self._gamma()
+        return [lo + d * gamma for lo, d in zip(self.min_lrs, self.delta_lrs)]
+
+    def _set(self, lrs):
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+        self._last_lr = lrs
+
+    def get_last_lr(self) -> list[float]:
+        return self._last_lr
+
+    def step(self, last_batch_iteration=None):
+        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
+        self._set(self.get_lr())
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, sd: dict):
+        self.last_batch_iteration = sd["last_batch_iteration"]
+        self._last_lr = self.get_lr()
+
+
+class WarmupDecayLR(WarmupLR):
+    """WarmupLR, then linear decay to 0 at ``total_num_steps``."""
+
+    def __init__(self, optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000,
+                 warmup_type="log", last_batch_iteration=-1):
+        self.total_num_steps = total_num_steps
+        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
+
+    def _gamma(self) -> float:
+        if self.last_batch_iteration < self.warmup_num_steps:
+            return super()._gamma()
+        return max(0.0, (self.total_num_steps - self.last_batch_iteration) / max(1.0, self.total_num_steps - self.warmup_num_steps))
+
+
+def build_scheduler(spec: dict, optimizer):
+    cls = WarmupDecayLR if spec["type"] == "WarmupDecayLR" else WarmupLR
+    return cls(optimizer, **spec["params"])

@@ -1,0 +1,420 @@
+"""DeepSpeed's front end on zeroshard: ``initialize`` and the training ``Engine``
+(``deepspeed.initialize`` and ``deepspeed/runtime/engine.py``), so a DeepSpeed
+script runs by changing its import::
+
+    engine, optimizer, _, scheduler = zeroshard.initialize(
+        model=model, model_parameters=model.parameters(), config="ds_config.json")
+    for batch in loader:
+        loss = engine(batch)          # forward
+        engine.backward(loss)         # / gradient_accumulation_steps, x fp16 loss scale
+        engine.step()                 # optimizer step only at accumulation boundaries
+
+ZeRO stages (``zero_optimization.stage``) become:
+
+* 0, data parallel: torch ``DistributedDataParallel``. Chosen over zeroshard's
+  NO_SHARD because DDP *is* what DeepSpeed's stage 0 is equivalent to, its
+  bucketed all-reduce overlaps backward, and it keeps the user's parameter
+  objects (an optimizer or param groups built before ``initialize`` stay
+  valid; NO_SHARD would hand the optimizer FlatParameters).
+* 1, optimizer states sharded: ``zero1.ZeroOneOptimizer`` (from scratch;
+  torch FSDP has no ZeRO-1).
+* 2: ``FullyShardedDataParallel(sharding_strategy=SHARD_GRAD_OP)``.
+* 3: ``FullyShardedDataParallel(sharding_strategy=FULL_SHARD)``.
+
+Stages 2/3 wrap with ``use_orig_params=True`` (the optimizer keeps stepping the
+user's parameter objects, now views of the shards, so param groups survive)
+and ``sync_module_states=True``; stages 0/1 broadcast rank 0's weights too, as
+DeepSpeed does. ``initialize(fsdp_kwargs=...)`` adds FSDP keywords (an
+``auto_wrap_policy``, ``from_accelerate_config(...)``'s output); without a wrap
+policy the whole model is one unit.
+
+Gradient accumulation follows DeepSpeed's ``allreduce_gradients``: stages 0/1
+communicate only at the boundary (DDP's gradient sync is switched off for
+the other micro-steps, ZeRO-1 reduces in ``step()``); stages 2/3 reduce-scatter
+every micro-step into the sharded gradient, because skipping it (FSDP's
+``no_sync``) would keep full unsharded gradients and defeat their memory saving
+(DeepSpeed refuses ``no_sync`` at stage 2/3 for that reason).
+
+At a boundary ``step()`` runs: (fp16) overflow check across all ranks -> skip
+or unscale -> clip to ``gradient_clipping`` -> optimizer step -> LR scheduler
+step -> zero grads; a skipped step still counts in ``global_steps`` (and in
+``skipped_steps``) but leaves parameters, optimizer state and scheduler as they were.
+
+fp16/bf16 (stages 0/1): the model is cast and inputs' floating tensors too; an
+fp32 master lives in ``ZeroOneOptimizer`` (one partition at stage 0). Stages
+2/3: ``MixedPrecision(param, reduce, buffer dtype = fp16/bf16)`` over fp32 shards.
+
+Checkpoints, ``save_checkpoint(dir, tag)``: ``dir/tag/mp_rank_00_model_states.pt``
+(the plain model's full state dict, counters, scheduler, loss scaler and rank
+0's ``client_state``; written by rank 0), ``dir/tag/zero_optim_states.pt``
+(optimizer state in a world-size independent form: FSDP's FULL optimizer
+state dict at stages 2/3, ZeRO-1's gathered flat states at stage 1), and
+``dir/latest`` holding the tag; every file is written atomically.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map
+
+from . import checkpoint, materialize
+from .ds_config import build_optimizer, build_scheduler, load_config
+from .fully_sharded import FullyShardedDataParallel
+from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
+from .options import CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
+from .zero1 import ZeroOneOptimizer
+
+MODEL_FILE = "mp_rank_00_model_states.pt"
+OPTIM_FILE = "zero_optim_states.pt"
+_STRATEGIES = {3: (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
+               2: (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)}
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
+               mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None, fsdp_kwargs=None):
+    """``deepspeed.initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``optimizer``/``lr_scheduler`` may be instances or callables (params ->
+    optimizer, optimizer -> scheduler), or come from the config (not both).
+    ``fsdp_kwargs`` (zeroshard extension): extra FullyShardedDataParallel
+    keywords for stages 2/3.
+    """
+    if model is None:
+        raise ValueError("zeroshard.initialize: model= is required.")
+    if mpu is not None:
+        raise ValueError("zeroshard.initialize: model parallelism (mpu=) is not supported. Fix: leave mpu=None.")
+    config = config if config is not None else config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("zeroshard.initialize: no config. Fix: pass config={...} or config='ds_config.json'.")
+    if not dist.is_initialized():
+        if dist_init_required is False or not all(k in os.environ for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")):
+            raise RuntimeError("zeroshard.initialize: torch.distributed is not initialized. Fix: launch with torchrun "
+                               "(which sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT) or call init_process_group first.")
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    engine = Engine(model, config, optimizer=optimizer, model_parameters=model_parameters, lr_scheduler=lr_scheduler,
+                    training_data=training_data, collate_fn=collate_fn, fsdp_kwargs=fsdp_kwargs, args=args)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
+
+
+class Engine(nn.Module):
+    """DeepSpeedEngine's training surface over DDP / ZeRO-1 / zeroshard FSDP (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None, lr_scheduler=None,
+                 training_data=None, collate_fn=None, fsdp_kwargs=None, args=None):
+        super().__init__()
+        self.world_size, self.global_rank = dist.get_world_size(), dist.get_rank()
+        self.local_rank = _local_rank(args, self.global_rank)
+        self.config = cfg = load_config(config, self.world_size)
+        self.stage, dtype = cfg.zero.stage, cfg.low_precision_dtype
+        self.device = _device(model, self.local_rank)
+        self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
+        self._global_grad_norm = None
+        self.zero1: ZeroOneOptimizer | None = None
+        if optimizer is not None and cfg.optimizer is not None:
+            raise ValueError("zeroshard.initialize: both optimizer= and a config 'optimizer' section were given. "
+                             "Fix: drop one of them.")
+        if lr_scheduler is not None and cfg.scheduler is not None:
+            raise ValueError("zeroshard.initialize: both lr_scheduler= and a config 'scheduler' section were given. "
+                             "Fix: drop one of them.")
+        if fsdp_kwargs and self.stage < 2:
+            raise ValueError(f"zeroshard.initialize: fsdp_kwargs apply to ZeRO stages 2 and 3, but the stage is {self.stage}. "
+                             "Fix: drop fsdp_kwargs or set zero_optimization.stage to 2 or 3.")
+        # Every stage keeps the original parameter objects, so the optimizer is
+        # built over them before wrapping.
+        groups = _param_groups(model, model_parameters)
+        if self.stage < 2:
+            model.to(self.device)
+            materialize.sync_module_states(model, lambda m: False, [dist.group.WORLD])  # rank 0's weights
+        if isinstance(optimizer, torch.optim.Optimizer):
+            opt = optimizer
+        elif callable(optimizer):
+            opt = optimizer(groups)
+        else:
+            opt = build_optimizer(cfg.optimizer, groups) if cfg.optimizer is not None else None
+        if self.stage >= 2:
+            wrapped = self._wrap_fsdp(model, dtype, dict(fsdp_kwargs or {}))
+        else:
+            if opt is not None and (self.stage == 1 or dtype is not None):
+                master_device = torch.device("cpu") if cfg.zero.offload_optimizer else None
+                self.zero1 = ZeroOneOptimizer(opt, dist.group.WORLD if self.stage == 1 else None, master_device)
+            if dtype is not None:
+                model.to(dtype)
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            wrapped = DistributedDataParallel(model, device_ids=ids) if self.stage == 0 else model
+        self.wrapped = wrapped
+        self.optimizer = opt
+        self._input_dtype = dtype if self.stage < 2 and (cfg.bf16 or cfg.fp16.auto_cast) else None
+        f = cfg.fp16
+        self.loss_scaler = None
+        if f.enabled:
+            self.loss_scaler = (StaticLossScaler(f.loss_scale) if f.loss_scale > 0 else DynamicLossScaler(
+                2.0**f.initial_scale_power, f.loss_scale_window, f.min_loss_scale, f.hysteresis, f.consecutive_hysteresis))
+        if cfg.scheduler is not None:
+            if opt is None:
+                raise ValueError("zeroshard.initialize: a 'scheduler' section needs an optimizer. Fix: add an 'optimizer' "
+                                 "section or pass optimizer=.")
+            lr_scheduler = build_scheduler(cfg.scheduler, opt)
+        elif lr_scheduler is not None and not hasattr(lr_scheduler, "step") and callable(lr_scheduler):
+            lr_scheduler = lr_scheduler(opt)
+        self.lr_scheduler = lr_scheduler
+        self.training_dataloader = None
+        if training_data is not None:
+            sampler = torch.utils.data.DistributedSampler(training_data, self.world_size, self.global_rank)
+            self.training_dataloader = torch.utils.data.DataLoader(
+                training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn)
+
+    def _wrap_fsdp(self, model, dtype, kw: dict) -> FullyShardedDataParallel:
+        allowed = _STRATEGIES[self.stage]
+        strategy = kw.pop("sharding_strategy", None) or allowed[0]
+        if strategy not in allowed:
+            raise ValueError(f"zeroshard.initialize: fsdp_kwargs sharding_strategy={strategy} does not implement ZeRO "
+                             f"stage {self.stage}. Fix: use {' or '.join(s.name for s in allowed)}, or drop it.")
+        if kw.get("use_orig_params", True) is not True:
+            raise ValueError("zeroshard.initialize: fsdp_kwargs use_orig_params=False: the engine's optimizer steps the "
+                             "original parameters. Fix: use_orig_params=True (fsdp_use_orig_params: true).")
+        kw["use_orig_params"] = True
+        if dtype is not None:
+            mp = kw.get("mixed_precision")
+            if mp is not None and mp.param_dtype not in (None, dtype):
+                raise ValueError(f"zeroshard.initialize: fsdp_kwargs mixed_precision param_dtype={mp.param_dtype} "
+                                 f"contradicts the config's {dtype}. Fix: drop one of them.")
+            kw["mixed_precision"] = mp or MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+        if self.config.zero.offload_param or self.config.zero.offload_optimizer:
+            kw["cpu_offload"] = CPUOffload(offload_params=True)  # shards, grads and optimizer states stay on CPU
+        kw.setdefault("sync_module_states", True)
+        if self.device.type != "cpu":
+            kw.setdefault("device_id", self.device)
+        return FullyShardedDataParallel(model, sharding_strategy=strategy, **kw)
+
+    # -------------------------------------------------------------- the loop
+    @property
+    def module(self) -> nn.Module:
+        """The model: the user's module at stages 0/1, the root FSDP unit at stages 2/3."""
+        return self.wrapped.module if isinstance(self.wrapped, DistributedDataParallel) else self.wrapped
+
+    def forward(self, *inputs, **kwargs):
+        if self.stage == 0:  # DDP's no_sync(), spelled as the flag it sets
+            self.wrapped.require_backward_grad_sync = self.is_gradient_accumulation_boundary()
+        if self._input_dtype is not None:
+            dtype = self._input_dtype
+            inputs, kwargs = tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, (inputs, kwargs))
+        return self.wrapped(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of loss / gradient_accumulation_steps (x the fp16 loss scale)."""
+        if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
+            loss = loss / self.gradient_accumulation_steps()
+        if self.loss_scaler is not None:
+            loss = loss.float() * self.loss_scaler.loss_scale
+        loss.backward(retain_graph=retain_graph)
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        """Whether the current micro-step (the one ``step()`` will close) ends an accumulation."""
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def step(self, lr_kwargs=None) -> None:
+        if self.is_gradient_accumulation_boundary():
+            self._take_model_step()
+        self.micro_steps += 1
+
+    def _take_model_step(self) -> None:
+        if self.optimizer is None:
+            raise RuntimeError("zeroshard engine: step() without an optimizer. Fix: pass optimizer= or add an 'optimizer' section.")
+        if self.zero1 is not None:
+            self.zero1.reduce_gradients()
+            grads = self.zero1.master_grads()
+        else:
+            grads = [p.grad for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None]
+        overflow = False
+        if self.loss_scaler is not None:
+            overflow = has_overflow(grads, self.device)
+            if not overflow:
+                unscale_(grads, self.loss_scaler.loss_scale)
+            self.loss_scaler.update_scale(overflow)
+        if overflow:
+            self.skipped_steps += 1
+        else:
+            if self.config.gradient_clipping > 0:
+                self._global_grad_norm = self._clip(self.config.gradient_clipping)
+            (self.zero1 or self.optimizer).step()
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step()
+        self.zero_grad()
+        self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+
+    def _clip(self, max_norm: float) -> torch.Tensor:
+        if self.zero1 is not None:
+            return self.zero1.clip_grad_norm_(max_norm)
+        if self.stage >= 2:
+            return self.wrapped.clip_grad_norm_(max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
+
+    def zero_grad(self) -> None:
+        if self.zero1 is not None:
+            self.zero1.zero_grad()
+        elif self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        if self.stage < 2:
+            self.module.zero_grad(set_to_none=True)
+
+    # ------------------------------------------------------------ accessors
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self):
+        return self._global_grad_norm
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "wrapped" not in self.__dict__.get("_modules", {}):
+                raise
+            return getattr(self.module, name)  # DeepSpeed passes unknown attributes to the model
+
+    # ------------------------------------------------------------ checkpoints
+    def _full_state(self):
+        """FULL model and optimizer state dicts whatever state_dict_type the user set on the FSDP model."""
+        if self.stage < 2:
+            return contextlib.nullcontext()
+        return FullyShardedDataParallel.state_dict_type(self.wrapped, StateDictType.FULL_STATE_DICT)
+
+    def _model_state_dict(self) -> dict:
+        with self._full_state():
+            return self.module.state_dict()
+
+    def _optimizer_state_dict(self):
+        if self.optimizer is None or self.zero1 is not None:
+            return self.zero1.state_dict() if self.zero1 is not None else None
+        if self.stage < 2:
+            return self.optimizer.state_dict()
+        with self._full_state():
+            return FullyShardedDataParallel.optim_state_dict(self.wrapped, self.optimizer)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+        """Save model, optimizer, scheduler, loss scaler, counters and ``client_state`` (collective).
+
+        As in DeepSpeed, rank 0's ``client_state`` is the one stored."""
+        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
+        tags = [None] * self.world_size
+        dist.all_gather_object(tags, tag)
+        if len(set(tags)) > 1:
+            raise ValueError(f"zeroshard save_checkpoint: ranks passed different tags {tags}. Fix: pass the same tag on every rank.")
+        path = os.path.join(os.fspath(save_dir), tag)
+        model_sd, optim_sd = self._model_state_dict(), self._optimizer_state_dict()  # collectives first, on every rank
+        if self.global_rank == 0:
+            os.makedirs(path, exist_ok=True)
+            checkpoint.save({
+                "module": model_sd, "client_state": dict(client_state or {}), "global_steps": self.global_steps,
+                "global_samples": self.global_samples, "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
+                "lr_scheduler": self.lr_scheduler.state_dict() if hasattr(self.lr_scheduler, "state_dict") else None,
+                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
+                "zero_stage": self.stage, "world_size": self.world_size, "ds_config": self.config.raw,
+            }, os.path.join(path, MODEL_FILE))
+            if optim_sd is not None:
+                checkpoint.save({"optimizer": optim_sd, "format": self._optim_format(), "zero_stage": self.stage},
+                                os.path.join(path, OPTIM_FILE))
+        dist.barrier()  # every file is complete before 'latest' names the tag
+        if save_latest and self.global_rank == 0:
+            tmp = os.path.join(os.fspath(save_dir), f".latest.{os.getpid()}.tmp")
+            with open(tmp, "w") as f:
+                f.write(tag)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))  # atomic, like checkpoint.save
+        dist.barrier()
+        return True
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
+                        load_lr_scheduler_states: bool = True, load_module_only: bool = False):
+        """Returns ``(load_path, client_state)``, or ``(None, None)`` with a warning if there is no checkpoint."""
+        load_dir = os.fspath(load_dir)
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if not os.path.isfile(latest):
+                warnings.warn(f"zeroshard load_checkpoint: no 'latest' file in {load_dir} and no tag given; nothing loaded.")
+                return None, None
+            with open(latest) as f:
+                tag = f.read().strip()
+        path = os.path.join(load_dir, str(tag), MODEL_FILE)
+        if not os.path.isfile(path):
+            warnings.warn(f"zeroshard load_checkpoint: {path} does not exist; nothing loaded.")
+            return None, None
+        ckpt = checkpoint.load(path, weights_only=False)
+        optim = None  # read and checked before anything is changed
+        if load_optimizer_states and not load_module_only and self.optimizer is not None:
+            optim = checkpoint.load(os.path.join(load_dir, str(tag), OPTIM_FILE), weights_only=False)
+            if optim["format"] != self._optim_format():
+                raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {load_dir}/{tag} is in the "
+                                 f"'{optim['format']}' form (ZeRO stage {optim['zero_stage']}), this engine needs "
+                                 f"'{self._optim_format()}' (stage {self.stage}, {self.config.low_precision_dtype or 'fp32'}). "
+                                 "Fix: load_optimizer_states=False (weights only), or the stage and precision of the save.")
+        with self._full_state():
+            self.module.load_state_dict(ckpt["module"], strict=load_module_strict)
+            if optim is not None and self.zero1 is None:
+                osd = optim["optimizer"]
+                if self.stage >= 2:
+                    osd = FullyShardedDataParallel.optim_state_dict_to_load(self.wrapped, self.optimizer, osd)
+                self.optimizer.load_state_dict(osd)
+        if self.zero1 is not None and optim is not None:
+            self.zero1.load_state_dict(optim["optimizer"])
+        elif self.zero1 is not None:  # the fp32 master follows the loaded weights
+            self.zero1.sync_master_from_params()
+        if not load_module_only:
+            if load_lr_scheduler_states and ckpt["lr_scheduler"] is not None and self.lr_scheduler is not None:
+                self.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
+            if ckpt["loss_scaler"] is not None and self.loss_scaler is not None:
+                self.loss_scaler.load_state_dict(ckpt["loss_scaler"])
+            for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
+                setattr(self, k, ckpt[k])
+        return path, ckpt["client_state"]
+
+    def _optim_format(self) -> str:
+        return "zero1 flat master" if self.zero1 is not None else "fsdp full" if self.stage >= 2 else "torch"
+
+
+def _local_rank(args, global_rank: int) -> int:
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"])
+    local = getattr(args, "local_rank", None)
+    return int(local) if local is not None and local >= 0 else global_rank  # no launcher said: one machine
+
+
+def _device(model: nn.Module, local_rank: int) -> torch.device:
+    if dist.get_backend() == "nccl":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
+
+
+def _param_groups(model: nn.Module, model_parameters) -> list:
+    if model_parameters is None:
+        return [p for p in model.parameters() if p.requires_grad]
+    groups = [{**g, "params": list(g["params"])} if isinstance(g, dict) else g for g in model_parameters]
+    owned = {id(p) for p in model.parameters()}
+    for g in groups:
+        for p in (g["params"] if isinstance(g, dict) else [g]):
+            if id(p) not in owned:
+                raise ValueError("zeroshard.initialize: model_parameters holds a tensor that is not a parameter of model. "
+                                 "Fix: pass model.parameters() or param groups built from it.")
+    return groups
