@@ -1,0 +1,91 @@
+"""``no_sync()`` as torch documents it, for every sharding strategy.
+
+torch's FSDP.no_sync docstring: inside the context gradients are accumulated
+locally, unsharded (``higher memory usage because FSDP will accumulate the full
+model gradients (instead of gradient shards)``), and synchronized in the first
+backward after it. So a micro-step under no_sync must issue no reduce-scatter
+and no all-reduce for any strategy; it still all-gathers what the strategy
+needs for compute (FULL_SHARD: forward and backward, minus the root kept
+between them; NO_SHARD: nothing). SHARD_GRAD_OP follows torch's heuristic
+(``_should_free_in_backward``): while gradients are not synchronized it does not
+reshard after backward, trading memory for speed, so only the first micro-step
+all-gathers and the later ones, the synchronizing one included, reuse the
+unsharded parameters. The gradients it
+leaves behind — unsharded, per parameter — must equal torch FSDP1's exactly,
+and so must the sharded gradients after the synchronizing step.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed.fsdp as tfsdp
+from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+import zeroshard as zs
+from models import MLP, Block
+
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+MLP_KW = dict(d_in=5, d=7, hidden=12, n_blocks=3, d_out=4)
+
+
+def _build(engine, strategy, use_orig_params):
+    torch.manual_seed(0)
+    model = MLP(**MLP_KW)
+    if engine == "torch":
+        return tfsdp.FullyShardedDataParallel(
+            model, auto_wrap_policy=TorchModuleWrapPolicy({Block}), use_orig_params=use_orig_params,
+            sharding_strategy=tfsdp.ShardingStrategy[strategy], device_id=torch.device("cpu"))
+    return zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params,
+                   sharding_strategy=zs.ShardingStrategy[strategy])
+
+
+def _grads(model, use_orig_params):
+    """What a user sees: each parameter's .grad (flat parameters' when not use_orig_params)."""
+    return {n: None if p.grad is None else p.grad.detach().clone() for n, p in model.named_parameters()}
+
+
+def _micro_steps(rank, world_size, strategy, use_orig_params):
+    g = torch.Generator().manual_seed(rank)
+    xs = [torch.randn(4, MLP_KW["d_in"], generator=g) for _ in range(3)]
+    seen = {}
+    for engine in ("zeroshard", "torch"):
+        model = _build(engine, strategy, use_orig_params)
+        stats, grads = [], []
+        for i, x in enumerate(xs):
+            last = i == len(xs) - 1
+            with zs.comm_stats() as s:
+                if last:
+                    model(x).pow(2).sum().backward()
+                else:
+                    with model.no_sync():
+                        model(x).pow(2).sum().backward()
+            stats.append({k: s.calls.get(k, 0) for k in ("all_gather", "reduce_scatter", "all_reduce")})
+            grads.append(_grads(model, use_orig_params))
+        n_units = sum(isinstance(m, zs.FSDP) for m in model.modules()) if engine == "zeroshard" else None
+        seen[engine] = (stats, grads, n_units)
+    return seen
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_no_sync_communicates_nothing_and_matches_torch(ranks, strategy, use_orig_params):
+    for seen in ranks.run(2, _micro_steps, strategy, use_orig_params):
+        stats, grads, n_units = seen["zeroshard"]
+        gathers = {"FULL_SHARD": [2 * n_units - 1] * 3, "SHARD_GRAD_OP": [n_units, 0, 0], "NO_SHARD": [0] * 3}[strategy]
+        for micro, expected in zip(stats[:-1], gathers):  # under no_sync
+            assert micro == {"all_gather": expected, "reduce_scatter": 0, "all_reduce": 0}, micro
+        synced = stats[-1]
+        assert synced["all_gather"] == gathers[-1]
+        if strategy == "NO_SHARD":
+            assert synced["all_reduce"] == n_units and synced["reduce_scatter"] == 0
+        else:
+            assert synced["reduce_scatter"] == n_units and synced["all_reduce"] == 0
+        _, ref_grads, _ = seen["torch"]
+        for step, (ours, ref) in enumerate(zip(grads, ref_grads)):
+            assert ours.keys() == ref.keys()
+            for name in ours:
+                a, b = ours[name], ref[name]
+                assert (a is None) == (b is None), (step, name)
+                if a is not None:
+                    assert a.shape == b.shape and torch.equal(a, b), (
+                        f"micro-step {step}, {name}: shape {tuple(a.shape)} vs torch {tuple(b.shape)}")
