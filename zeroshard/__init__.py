@@ -20,6 +20,7 @@ The package reads in lifecycle order:
   ext         -> optional C++/CUDA flatten/unflatten kernels
   trace       -> opt-in timeline of the lifecycle (Chrome trace, PNG)
   estimate    -> ZeRO memory model (python -m zeroshard.estimate)
+  simulate    -> alpha-beta step-time model at scale (python -m zeroshard.simulate)
   zero1       -> ZeRO-1: flat fp32 master sharded, gradients reduce-scattered, parameters all-gathered
   loss_scale  -> fp16 static / dynamic loss scaling (DeepSpeed's rules)
   ds_config   -> DeepSpeed JSON config subset: validation, optimizer, WarmupLR/WarmupDecayLR
