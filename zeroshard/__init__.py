@@ -26,7 +26,9 @@ The package reads in lifecycle order:
   ds_config   -> DeepSpeed JSON config subset: validation, optimizer, WarmupLR/WarmupDecayLR
   engine      -> zeroshard.initialize: a DeepSpeed-style engine over DDP / ZeRO-1 / FSDP
   accelerate_config -> Accelerate fsdp_config -> FullyShardedDataParallel keywords
-  compat.hfai -> hfai-style front end; testing -> rank pools for tests
+  compat.hfai -> hfai-style front end
+  testing     -> rank pools, assert_parity vs torch FSDP1 (python -m zeroshard.testing), hypothesis strategies
+  examples    -> runnable tutorials (python -m zeroshard.examples.<name>); docs/walkthrough.md
 """
 from . import checkpoint, trace, wrap
 from .accelerate_config import from_accelerate_config

@@ -4,6 +4,11 @@ The text is Python's own standard library source (no download). Each rank
 trains on its own batches; zeroshard and torch FSDP1 (the reference) train the
 same model on the same batches, and the last lines compare their losses.
 Run: ``python -m zeroshard demo --world-size 2 --steps 20``.
+
+Rank 0 reports every step: loss, tokens/s, the unsharded (all-gathered)
+parameter bytes live right after forward and at their peak, and the bytes its
+collectives sent. On a terminal that is a tqdm progress bar; otherwise (a pipe,
+a log file, no tqdm installed) one plain line per step.
 """
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import argparse
 import contextlib
 import math
 import os
+import sys
 import time
 import warnings
 
@@ -90,35 +96,81 @@ def _wrap(engine: str, model: nn.Module, args):
     return FullyShardedDataParallel(model, sharding_strategy=getattr(ShardingStrategy, args["strategy"]), backward_prefetch=bp, **kw)
 
 
+class Progress:
+    """Per-step report of one training run: a tqdm bar when ``mode`` is "bar",
+    or "auto" on a terminal with tqdm installed; otherwise one line per step
+    (``quiet`` runs print none)."""
+
+    def __init__(self, total: int, desc: str, mode: str = "auto", stream=None, quiet: bool = False):
+        self.stream = stream or sys.stderr
+        self.quiet, self.bar = quiet, None
+        if mode == "bar" or (mode == "auto" and self.stream.isatty()):
+            try:
+                from tqdm import tqdm
+            except ImportError:  # tqdm is optional: plain lines then
+                tqdm = None
+            if tqdm is not None:
+                self.bar = tqdm(total=total, desc=desc, unit="step", file=self.stream, dynamic_ncols=True, leave=True)
+
+    def update(self, line: str, **postfix):
+        if self.bar is not None:
+            self.bar.set_postfix(postfix, refresh=False)
+            self.bar.update(1)
+        elif not self.quiet:
+            print(line, flush=True)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
 def _train(rank, world_size, args, engine, text_ids, vocab):
     torch.manual_seed(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = _wrap(engine, CharGPT(vocab, ctx=args["ctx"]), args)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses, log = [], rank == 0 and engine == "zeroshard"
-    if log:
+    losses, ours = [], engine == "zeroshard"
+    if rank == 0 and ours:
         n = sum(p.numel() for p in model.parameters()) * world_size
         print(f"zeroshard demo: {n / 1e3:.0f}k parameters (sharded over {world_size} ranks, {args['strategy']}), "
               f"{text_ids.numel()} characters of stdlib source, vocab {vocab}", flush=True)
+    elif rank == 0:
+        print(f"torch FSDP1 (reference): the same {args['steps']} steps on the same batches", flush=True)
+    progress = None
+    if rank == 0:  # only rank 0 reports; the others train silently
+        desc = f"zeroshard {args['strategy']}" if ours else "torch FSDP1"
+        progress = Progress(args["steps"], desc, args.get("progress", "auto"), quiet=not ours)
     for step, (x, y) in enumerate(_batches(text_ids, rank, args["steps"], args["batch"], args["ctx"])):
         t0 = time.perf_counter()
         unsharded_tracker.reset_peaks()
-        traced = args.get("trace") and engine == "zeroshard" and step == args["steps"] - 1
+        traced = args.get("trace") and ours and step == args["steps"] - 1
         with comm.comm_stats() as stats, (trace.record(rank) if traced else contextlib.nullcontext()) as tl:
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            logits = model(x)
+            # FULL_SHARD keeps only the root unit gathered here; SHARD_GRAD_OP keeps every unit until backward.
+            after_forward = unsharded_tracker.live_bytes
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
             loss.backward()
             model.clip_grad_norm_(1.0)
             opt.step()
             opt.zero_grad()
         dt = time.perf_counter() - t0
         losses.append(loss.item())
-        if log:
-            print(f"step {step:3d}  loss {loss.item():.4f}  {x.numel() * world_size / dt:8.0f} tok/s  "
-                  f"peak unsharded {unsharded_tracker.peak_bytes / 1e6:6.2f} MB  "
-                  f"sent {stats.total_bytes() / 1e6:6.2f} MB", flush=True)
+        if progress is not None:
+            tok_s = x.numel() * world_size / dt
+            if ours:
+                peak, sent = unsharded_tracker.peak_bytes / 1e6, stats.total_bytes() / 1e6
+                progress.update(
+                    f"step {step:3d}  loss {loss.item():.4f}  {tok_s:8.0f} tok/s  "
+                    f"unsharded after forward {after_forward / 1e6:6.2f} MB, peak {peak:6.2f} MB  sent {sent:6.2f} MB",
+                    loss=f"{loss.item():.4f}", tok_s=f"{tok_s:.0f}", unsharded_MB=f"{after_forward / 1e6:.2f}/{peak:.2f}",
+                    sent_MB=f"{sent:.2f}")
+            else:
+                progress.update("", loss=f"{loss.item():.4f}", tok_s=f"{tok_s:.0f}")
         if traced:
             _write_trace(tl, rank, world_size, args["trace"])
+    if progress is not None:
+        progress.close()
     return losses
 
 
@@ -149,16 +201,20 @@ def _run(rank, world_size, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zeroshard demo", description=__doc__.splitlines()[0])
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy if "HYBRID" not in s.name])
-    p.add_argument("--prefetch", default="BACKWARD_PRE", choices=["BACKWARD_PRE", "BACKWARD_POST", "NONE"])
+    p.add_argument("--world-size", type=int, default=2, help="CPU ranks to spawn (gloo processes, one thread each)")
+    p.add_argument("--steps", type=int, default=20, help="training steps (each rank: one batch per step)")
+    p.add_argument("--strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy if "HYBRID" not in s.name],
+                   help="FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2, NO_SHARD = plain data parallelism")
+    p.add_argument("--prefetch", default="BACKWARD_PRE", choices=["BACKWARD_PRE", "BACKWARD_POST", "NONE"],
+                   help="when backward issues the next unit's all-gather: as a unit's backward starts, after it, or on demand")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ctx", type=int, default=64)
     p.add_argument("--chars", type=int, default=200_000)
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip the torch FSDP1 reference run")
     p.add_argument("--trace", metavar="OUT.json", default=None,
                    help="record zeroshard's last step: OUT.rank{r}.json per rank, merged into OUT.json (+ OUT.png with matplotlib)")
+    p.add_argument("--progress", default="auto", choices=["auto", "bar", "lines"],
+                   help="per-step report: a tqdm bar (auto: on a terminal, when tqdm is installed) or plain lines")
     args = vars(p.parse_args(argv))
     if args["trace"]:
         args["trace"] = os.path.abspath(args["trace"])

@@ -1,9 +1,13 @@
-"""Test toolkit: run a function on N gloo ranks of this machine, with a timeout.
+"""Rank launchers for multi-process tests: N gloo ranks on this machine, each
+run under a deadline.
 
-Used by zeroshard's own multi-process tests, the demo and benchmarks; public
-so users can property-test their models the same way. Every spawn has a
-deadline: a hung collective fails the call (naming the ranks still running)
-instead of blocking CI.
+This is the plumbing of FSDP testing: a sharding engine is only exercised by
+several ranks exchanging collectives, and a bug in one often shows up as a
+hang (a collective one rank never joins). ``spawn`` starts fresh ranks for one
+function; ``RankPool`` keeps ranks alive across many small tests (importing
+torch costs seconds per process). Every call has a deadline: a hung collective
+fails the call, naming the ranks still running, instead of blocking CI.
+Used by zeroshard's own tests, the demo, the examples and the benchmarks.
 """
 from __future__ import annotations
 

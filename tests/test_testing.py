@@ -1,0 +1,184 @@
+"""zeroshard.testing, the parity toolkit: assert_parity passes when the engines
+agree and, when they do not, names the first differing tensor (step, output /
+grad / param, parameter name, max |diff|) on every rank; the CLI spawns ranks
+and reports; the hypothesis strategies drive a property test; the old module's
+imports keep working."""
+from __future__ import annotations
+
+import functools
+import pickle
+import subprocess
+import sys
+import textwrap
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from zeroshard.demo import CharGPT
+from zeroshard.demo import Block as GPTBlock
+from zeroshard.flat_param import build_layout
+from zeroshard.testing import ParityError, RankPool, assert_parity, free_port, spawn
+from zeroshard.testing import strategies as zst
+
+GPT = functools.partial(CharGPT, 20, d=16, heads=2, layers=2, ctx=8)
+
+
+def _parity(rank, world_size, factory, kw, after_backward=None):
+    """Run assert_parity on this rank; a ParityError becomes data (so the pool stays usable)."""
+    try:
+        return {"ok": True, "report": str(assert_parity(factory, after_backward=after_backward, **kw))}
+    except ParityError as e:
+        return {"ok": False, "what": e.what, "name": e.name, "step": e.step, "diff": e.max_abs_diff, "msg": str(e)}
+
+
+def _bump_grad(target, engine, model, step):
+    """The deliberate bug: zeroshard's gradient of ``target`` is off by 1e-7 at step 0."""
+    if engine != "zeroshard" or step != 0:
+        return
+    for name, p in model.named_parameters():
+        if name.replace("_fsdp_wrapped_module.", "") == target and p.grad is not None:
+            p.grad.add_(1e-7)
+
+
+def _bump_param(target, engine, model, step):
+    """zeroshard's ``target`` moves by 1e-6 after step 1's backward: grads agree, the stepped params not."""
+    if engine == "zeroshard" and step == 1:
+        with torch.no_grad():
+            dict((n.replace("_fsdp_wrapped_module.", ""), p) for n, p in model.named_parameters())[target].add_(1e-6)
+
+
+def _bump_buffer(engine, model, step):
+    """A buffer (not a parameter, so neither grads nor params see it) changes after step 0: step 1's output differs."""
+    if engine == "zeroshard" and step == 0:
+        model.scale.add_(1e-3)
+
+
+def test_old_imports_still_work():
+    from zeroshard.testing import ranks
+
+    assert (spawn, RankPool, free_port) == (ranks.spawn, ranks.RankPool, ranks.free_port)
+    err = pickle.loads(pickle.dumps(ParityError(2, "grad", "w", 1e-7, 1, "x")))
+    assert isinstance(err, AssertionError) and (err.step, err.what, err.name, err.rank) == (2, "grad", "w", 1)
+
+
+def test_parity_passes_on_gpt(ranks):
+    kw = dict(steps=2, auto_wrap_policy=("transformer", {GPTBlock}), use_orig_params=True, clip_grad_norm=0.5)
+    results = ranks.run(2, _parity, GPT, kw)
+    assert all(r["ok"] for r in results), results
+    report = results[0]["report"]
+    assert "bit-identical over 2 steps on 2 ranks" in report and "auto_wrap_policy=(transformer, {Block})" in report
+    assert "clip_grad_norm_ results    2" in report
+
+
+def test_a_perturbed_gradient_is_named(ranks):
+    kw = dict(steps=2, auto_wrap_policy={GPTBlock}, use_orig_params=True)
+    results = ranks.run(2, _parity, GPT, kw, functools.partial(_bump_grad, "blocks.1.fc.weight"))
+    for r in results:  # every rank raises the same error (no rank is left waiting in a collective)
+        assert not r["ok"]
+        assert (r["what"], r["name"], r["step"]) == ("grad", "blocks.1.fc.weight", 0), r["msg"]
+        assert 5e-8 < r["diff"] < 2e-7, r["msg"]
+        assert "step 0, grad of 'blocks.1.fc.weight'" in r["msg"] and "max |diff| 1." in r["msg"], r["msg"]
+
+
+def test_a_perturbed_flat_gradient_is_named_by_original_parameter(ranks):
+    # use_orig_params=False: the optimizer sees one FlatParameter per unit; the
+    # report still names the original parameter the first difference falls in.
+    kw = dict(steps=1, auto_wrap_policy={GPTBlock}, use_orig_params=False)
+    results = ranks.run(2, _parity, GPT, kw, functools.partial(_bump_grad, "blocks.1._flat_param"))
+    r = results[0]
+    assert not r["ok"] and r["what"] == "grad" and r["step"] == 0, r
+    assert r["name"] == "blocks.1.ln1.weight", r["msg"]  # the first parameter of rank 0's shard of blocks.1
+
+
+def test_a_perturbed_parameter_and_buffer_are_named(ranks):
+    kw = dict(steps=3, auto_wrap_policy={GPTBlock}, use_orig_params=True)
+    r = ranks.run(2, _parity, GPT, kw, functools.partial(_bump_param, "blocks.0.qkv.bias"))[0]
+    assert (r["what"], r["name"], r["step"]) == ("param", "blocks.0.qkv.bias", 1), r
+    mlp = zst.MLPConfig(d_in=5, widths=(7, 9), d_out=3)
+    r = ranks.run(2, _parity, mlp.factory(), dict(steps=3), _bump_buffer)[0]
+    assert (r["what"], r["name"], r["step"]) == ("output", "output", 1), r
+
+
+def _ignore_second_layer(model):
+    return {"ignored_modules": [model.layers[1]]}
+
+
+def test_fsdp_kwargs_from_the_model_ignored_modules(ranks):
+    # ignored_modules must name the wrapped model's own submodules: fsdp_kwargs
+    # as a function of the model gives each engine its copy's.
+    mlp = zst.MLPConfig(d_in=5, widths=(7, 9, 6), d_out=3)
+    for use_orig_params in (False, True):
+        kw = dict(steps=2, auto_wrap_policy={zst.Layer}, use_orig_params=use_orig_params, fsdp_kwargs=_ignore_second_layer)
+        results = ranks.run(2, _parity, mlp.factory(), kw)
+        assert all(r["ok"] for r in results), results[0].get("msg")
+        assert "gradient shards" in results[0]["report"]
+
+
+@given(mlp=zst.mlp_configs(), kw=zst.fsdp_configs(mixed_precision=True), world_size=zst.world_sizes(1, 3))
+def test_property_random_mlps_match_torch_fsdp(ranks, mlp, kw, world_size):
+    results = ranks.run(world_size, _parity, mlp.factory(), dict(kw, steps=2))
+    assert all(r["ok"] for r in results), results[0].get("msg")
+
+
+@given(shapes=zst.param_shapes(), world_size=zst.world_sizes(1, 8), align=st.sampled_from([0, 4]))
+def test_param_shapes_drive_layout_properties(shapes, world_size, align):
+    entries = [(None, f"p{i}", f"p{i}", torch.empty(s)) for i, s in enumerate(shapes)]
+    layouts = [build_layout(entries, [], world_size, r, align) for r in range(world_size)]
+    for i, p in enumerate(layouts[0].params):  # every element of every parameter in exactly one shard
+        assert sum(lay.shard_slices[i].numel_in_shard for lay in layouts if lay.shard_slices[i]) == p.numel
+    assert layouts[0].padded_numel % world_size == 0 and layouts[0].padded_numel >= layouts[0].numel
+
+
+CLI_MODULE = '''
+import torch.nn as nn
+
+CALLS = [0]
+
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(d, 2 * d + 1), nn.Linear(2 * d + 1, d)
+
+    def forward(self, x):
+        return x + self.l2(self.l1(x).relu())
+
+
+def make_model():
+    return nn.Sequential(nn.Linear(5, 7), Block(7), Block(7), nn.Linear(7, 3))
+
+
+class Counting(nn.Module):
+    """Not a sharding bug but a model bug: its output depends on how often it ran."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 2)
+
+    def forward(self, x):
+        CALLS[0] += 1
+        return self.lin(x) * CALLS[0]
+
+
+def make_counting():
+    return Counting()
+'''
+
+
+def test_cli_reports_parity_and_a_difference(tmp_path):
+    (tmp_path / "cli_models.py").write_text(textwrap.dedent(CLI_MODULE))
+    ok = subprocess.run([sys.executable, "-m", "zeroshard.testing", "parity", "cli_models:make_model", "--wrap-class", "Block",
+                         "--steps", "2", "--use-orig-params", "--clip", "0.1"],
+                        cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert ok.returncode == 0, ok.stdout + ok.stderr
+    assert "bit-identical over 2 steps on 2 ranks" in ok.stdout and "auto_wrap_policy={Block}" in ok.stdout, ok.stdout
+    grads = int(ok.stdout.split("gradient shards")[1].split()[0])
+    assert grads > 2 * 12, ok.stdout  # 12 parameters per step, some split over both ranks
+    bad = subprocess.run([sys.executable, "-m", "zeroshard.testing", "parity", "cli_models:make_counting", "--steps", "1",
+                          "--world-size", "1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert "differ at step 0, output of 'output'" in bad.stdout, bad.stdout
+    usage = subprocess.run([sys.executable, "-m", "zeroshard.testing"], capture_output=True, text=True, timeout=60)
+    assert usage.returncode == 2 and "parity" in usage.stderr

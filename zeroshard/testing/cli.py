@@ -1,0 +1,105 @@
+"""The command line of the parity toolkit: ``python -m zeroshard.testing parity module:factory``.
+
+Spawns N gloo ranks on this machine and runs :func:`zeroshard.testing.assert_parity`
+on them: the model that ``module:factory`` builds, trained for a few steps by
+zeroshard and by torch FSDP1 under the same configuration, compared bit for bit
+(forward outputs, gradient shards, parameter shards after each optimizer step,
+the final FULL state dict). Prints a report; exit status 0 when everything was
+equal, 1 at the first difference (named: step, output/grad/param, parameter,
+max |diff|), 2 for usage errors.
+
+    python -m zeroshard.testing parity mymodels:make_model --world-size 2 \\
+        --strategy FULL_SHARD --wrap-class Block --steps 3
+
+``module`` is imported on every rank (the current directory is on the path);
+``--wrap-class NAME`` is looked up in the factory's module (or ``pkg.mod:NAME``).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib
+import os
+import sys
+
+import torch
+
+from .parity import ParityError, assert_parity
+from .ranks import spawn
+
+
+def resolve(spec: str, default_module: str | None = None):
+    """``pkg.mod:name`` (or ``name`` within ``default_module``) -> the object."""
+    module, _, name = spec.rpartition(":")
+    module = module or default_module
+    if not module or not name:
+        raise ValueError(f"expected module:name, got {spec!r}")
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def cli_rank(rank, world_size, args: dict):
+    """What each rank runs for ``python -m zeroshard.testing parity`` (args: its parsed options)."""
+    if args["cwd"] not in sys.path:
+        sys.path.insert(0, args["cwd"])
+    factory_module = args["factory"].rpartition(":")[0]
+    make_model = resolve(args["factory"])
+    classes = {resolve(c, factory_module) for c in args["wrap_class"]}
+    policy = {"none": None, "module": classes or None, "transformer": ("transformer", classes) if classes else None,
+              "size": args["min_num_params"]}[args["wrap"] or ("module" if classes else "none")]
+    mp = None
+    if args["mixed_precision"]:
+        mp = {"param_dtype": args["mixed_precision"], "reduce_dtype": args["reduce_dtype"] or args["mixed_precision"],
+              "buffer_dtype": args["mixed_precision"]}
+    kw = dict(steps=args["steps"], sharding_strategy=args["strategy"], auto_wrap_policy=policy,
+              use_orig_params=args["use_orig_params"], backward_prefetch=None if args["prefetch"] == "NONE" else args["prefetch"],
+              forward_prefetch=args["forward_prefetch"], limit_all_gathers=args["limit_all_gathers"], mixed_precision=mp,
+              clip_grad_norm=args["clip"], seed=args["seed"])
+    if args["input"]:
+        kw["make_input"] = resolve(args["input"], factory_module)
+    if args["loss"]:
+        kw["loss_fn"] = resolve(args["loss"], factory_module)
+    if args["lr"] is not None:
+        kw["make_optimizer"] = functools.partial(torch.optim.AdamW, lr=args["lr"])
+    try:
+        return {"ok": True, "report": str(assert_parity(make_model, **kw))}
+    except ParityError as e:
+        return {"ok": False, "report": str(e), "name": e.name, "what": e.what, "step": e.step}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zeroshard.testing", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("parity", help="compare zeroshard with torch FSDP1 on your model, bit for bit")
+    q.add_argument("factory", help="module:function returning an nn.Module (called once, under torch.manual_seed(seed))")
+    q.add_argument("--world-size", type=int, default=2)
+    q.add_argument("--steps", type=int, default=3)
+    q.add_argument("--strategy", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+    q.add_argument("--wrap", choices=["none", "module", "transformer", "size"], default=None,
+                   help="auto-wrap policy (default: module if --wrap-class is given, else none)")
+    q.add_argument("--wrap-class", action="append", default=[], metavar="NAME", help="unit class for module/transformer wrapping")
+    q.add_argument("--min-num-params", type=int, default=1000, help="threshold for --wrap size")
+    q.add_argument("--use-orig-params", action="store_true")
+    q.add_argument("--prefetch", default="BACKWARD_PRE", choices=["BACKWARD_PRE", "BACKWARD_POST", "NONE"])
+    q.add_argument("--forward-prefetch", action="store_true")
+    q.add_argument("--no-limit-all-gathers", dest="limit_all_gathers", action="store_false")
+    q.add_argument("--mixed-precision", choices=["bfloat16", "float16"], default=None, help="param and buffer dtype")
+    q.add_argument("--reduce-dtype", choices=["bfloat16", "float16", "float32"], default=None)
+    q.add_argument("--clip", type=float, default=None, help="also compare clip_grad_norm_(CLIP) each step")
+    q.add_argument("--input", default=None, metavar="[module:]fn", help="make_input(rank, step) (default: guessed from the first layer)")
+    q.add_argument("--loss", default=None, metavar="[module:]fn", help="loss_fn(output, batch) (default: mean of squares)")
+    q.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-2)")
+    q.add_argument("--seed", type=int, default=0)
+    q.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are stopped")
+    args = vars(p.parse_args(argv))
+    args["cwd"] = os.getcwd()
+    try:
+        results = spawn(cli_rank, args["world_size"], args, timeout=args["timeout"])
+    except (RuntimeError, TimeoutError) as e:
+        print(f"zeroshard.testing parity: the run failed before a verdict:\n{e}", file=sys.stderr)
+        return 1
+    verdict = results[0]
+    print(verdict["report"])
+    return 0 if verdict["ok"] else 1
