@@ -178,3 +178,17 @@ def test_cli_model_and_offload():
     assert f"| (root) | {est.units[0].numel:,} |" in out and "| blocks.0 |" in out
     assert est.gpu_bytes == est.working_set_bytes and est.cpu_bytes == est.sharded_bytes
     assert f"{est.sharded_bytes:,}" in out and f"{est.working_set_bytes:,}" in out
+
+
+def test_cli_hpz_tradeoff():
+    """ZeRO++ hpZ rows: 7e9 bf16 parameters, N = 64, k = 8: Ψ·2/8 bytes held from
+    forward to backward; the backward all-gather sends Ψ·2·7/8 within the node
+    instead of Ψ·2·63/64 across all ranks (engine agreement: tests/test_hpz.py)."""
+    out = _cli("--params", "7e9", "--world-size", "64", "--strategy", "FULL_SHARD", "--hpz-group-size", "8")
+    assert "| hpZ | 1,750,000,000 (1.63 GiB) | 12,250,000,000 (11.41 GiB) | k = 8 ranks (intra-group) |" in out
+    assert "| ZeRO-3 | 0 | 13,781,250,000 (12.83 GiB) | N = 64 ranks |" in out
+    est = estimate_model(TinyGPT(), 4, zs.wrap.ModuleWrapPolicy({TransformerBlock}), hpz_group_size=2)
+    out = _cli("--model", "models:TinyGPT", "--wrap-class", "TransformerBlock", "--world-size", "4",
+               "--strategy", "FULL_SHARD", "--mixed-precision", "none", "--hpz-group-size", "2")
+    assert f"| hpZ | {est.secondary_bytes:,} " in out and est.secondary_bytes > 0
+    assert est.gpu_bytes == est.sharded_bytes + est.working_set_bytes + est.secondary_bytes

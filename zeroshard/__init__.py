@@ -8,6 +8,10 @@ The package reads in lifecycle order:
   flat_param  -> a unit's parameters as one padded 1-D buffer (+ layout math)
   handle      -> shard / unshard (all-gather) / reshard (free) of that buffer
   reduce      -> reduce-scatter of the flat gradient, torch's divide factors
+  bucket      -> small units: bucketed reductions (bucket_cap_mb), persistent units
+  quantize    -> ZeRO++ qwZ: int8 block-quantized all-gather (Int8BlockQuant)
+  hpz         -> ZeRO++ hpZ: secondary shards, backward all-gather within a group
+  working_set -> which units are gathered right now (unsharded_tracker)
   hooks       -> when each step runs in forward / backward, and prefetch
   wrap        -> which submodules become units (auto-wrap policies)
   fully_sharded -> the FullyShardedDataParallel module itself
@@ -30,11 +34,12 @@ The package reads in lifecycle order:
   testing     -> rank pools, assert_parity vs torch FSDP1 (python -m zeroshard.testing), hypothesis strategies
   examples    -> runnable tutorials (python -m zeroshard.examples.<name>); docs/walkthrough.md
 """
-from . import checkpoint, trace, wrap
+from . import bucket, checkpoint, hpz, quantize, trace, wrap
 from .accelerate_config import from_accelerate_config
 from .comm import comm_stats
 from .engine import Engine, initialize
 from .ext import ext_backend
+from .quantize import Int8BlockQuant
 from .fully_sharded import FSDP, FullyShardedDataParallel
 from .handle import unsharded_tracker
 from .options import (
@@ -65,6 +70,7 @@ __all__ = [
     "comm_stats",
     "ext_backend",
     "unsharded_tracker",
+    "Int8BlockQuant",
     "initialize",
     "Engine",
     "from_accelerate_config",

@@ -34,6 +34,7 @@ class CommStats:
     calls: dict = field(default_factory=lambda: defaultdict(int))
     bytes: dict = field(default_factory=lambda: defaultdict(float))
     group_sizes: dict = field(default_factory=lambda: defaultdict(set))  # kind -> sizes of the groups used
+    group_ranks: dict = field(default_factory=lambda: defaultdict(set))  # kind -> the groups used, as global ranks
 
     def total_bytes(self) -> float:
         return float(sum(self.bytes.values()))
@@ -53,14 +54,16 @@ def comm_stats():
         _active.remove(stats)
 
 
-def _record(kind: str, full_numel: int, elem_size: int, world: int, factor: float = 1.0):
+def _record(kind: str, full_numel: int, elem_size: int, world: int, group, factor: float = 1.0):
     if not _active or world == 1:
         return
     moved = factor * full_numel * elem_size * (world - 1) / world
+    ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     for stats in _active:
         stats.calls[kind] += 1
         stats.bytes[kind] += moved
         stats.group_sizes[kind].add(world)
+        stats.group_ranks[kind].add(ranks)
 
 
 class CollectiveError(RuntimeError):
@@ -103,18 +106,18 @@ def _issue(kind: str, what: str, group, async_op: bool, call):
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group, async_op: bool = True, what: str = "parameters"):
     """Gather every rank's ``shard`` into ``output`` (rank r's at r·len(shard))."""
     world = dist.get_world_size(group)
-    _record("all_gather", output.numel(), output.element_size(), world)
+    _record("all_gather", output.numel(), output.element_size(), world, group)
     return _issue("all_gather", what, group, async_op, lambda: _all_gather(output, shard, group=group, async_op=async_op))
 
 
 def reduce_scatter(shard_out: torch.Tensor, full: torch.Tensor, group, async_op: bool = True, what: str = "gradients"):
     """Sum ``full`` over ranks and keep this rank's contiguous chunk."""
     world = dist.get_world_size(group)
-    _record("reduce_scatter", full.numel(), full.element_size(), world)
+    _record("reduce_scatter", full.numel(), full.element_size(), world, group)
     return _issue("reduce_scatter", what, group, async_op, lambda: _reduce_scatter(shard_out, full, group=group, async_op=async_op))
 
 
 def all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op=dist.ReduceOp.SUM, what: str = "gradients"):
     world = dist.get_world_size(group)
-    _record("all_reduce", tensor.numel(), tensor.element_size(), world, factor=2.0)
+    _record("all_reduce", tensor.numel(), tensor.element_size(), world, group, factor=2.0)
     return _issue("all_reduce", what, group, async_op, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))

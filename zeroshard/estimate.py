@@ -32,8 +32,15 @@ holds them until backward). FULL_SHARD's needs unit sizes: give ``--model``, or 
 ``--offload`` (CPUOffload): params, grads and optimizer state live on CPU; GPU bytes per
 rank are then only the working set.
 
+``--hpz-group-size k`` (ZeRO++ hpZ, see ``hpz``): FULL_SHARD keeps a secondary shard of
+every non-root unit from its forward to its backward, partitioned over k ranks — up to
+Σ padded/k elements (compute dtype) more per rank at the start of backward — and runs the
+backward all-gathers over k ranks: Σ padded·c·(k−1)/k bytes per rank inside the group
+instead of Σ padded·c·(N−1)/N across all N (:func:`comm_volume`, :func:`hpz_tradeoff`).
+
     python -m zeroshard.estimate --params 7e9 --world-size 64 --strategy all
     python -m zeroshard.estimate --model mypkg.models:build --wrap-class Block --world-size 8
+    python -m zeroshard.estimate --params 7e9 --world-size 64 --hpz-group-size 8
 """
 from __future__ import annotations
 
@@ -118,6 +125,9 @@ class ModelEstimate:
     optim_bytes: int  # Adam's exp_avg + exp_avg_sq
     working_set_bytes: int  # transient gathered parameters, compute dtype
     offload: bool = False
+    compute_itemsize: int = 4  # bytes per gathered element
+    hpz_group_size: int | None = None
+    secondary_bytes: int = 0  # hpZ: secondary shards held from forward to backward (peak)
 
     @property
     def sharded_bytes(self) -> int:
@@ -125,7 +135,7 @@ class ModelEstimate:
 
     @property
     def gpu_bytes(self) -> int:
-        return self.working_set_bytes + (0 if self.offload else self.sharded_bytes)
+        return self.working_set_bytes + self.secondary_bytes + (0 if self.offload else self.sharded_bytes)
 
     @property
     def cpu_bytes(self) -> int:
@@ -134,7 +144,7 @@ class ModelEstimate:
 
 def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, strategy="FULL_SHARD",
                    param_dtype: torch.dtype | None = None, use_orig_params: bool = False,
-                   ignored_modules=None, offload: bool = False) -> ModelEstimate:
+                   ignored_modules=None, offload: bool = False, hpz_group_size: int | None = None) -> ModelEstimate:
     """The engine's units and layouts for ``model``, computed without a process group.
 
     Per-rank bytes use Adam (2 states) on the master shard; with use_orig_params=True
@@ -186,7 +196,44 @@ def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, str
         working = sum(b for _, b, _ in gathered)
     else:  # NO_SHARD computes on the shard itself unless it must cast or move it
         working = sum(b for _, b, cast in gathered if cast or offload)
-    return ModelEstimate(units, strategy, world_size, sum(p.numel() for p in owner), *state, working, offload)
+    itemsize = (param_dtype or next((p.dtype for p in owner), torch.float32)).itemsize
+    hpz = hpz_group_size if strategy == "FULL_SHARD" and hpz_group_size else None
+    secondary = sum(u.padded_numel // hpz * itemsize for u in units[1:]) if hpz else 0
+    return ModelEstimate(units, strategy, world_size, sum(p.numel() for p in owner), *state, working, offload,
+                         itemsize, hpz, secondary)
+
+
+def _ring(nbytes: float, group_size: int) -> float:
+    return nbytes * (group_size - 1) / group_size
+
+
+def comm_volume(est: ModelEstimate) -> dict:
+    """Bytes one rank sends per step, by collective: {name: (bytes, group size)}.
+
+    FULL_SHARD gathers every unit in forward and all but the root in backward
+    (over the hpZ group when ``est.hpz_group_size`` is set); gradients are
+    reduce-scattered in the compute dtype (MixedPrecision's default
+    reduce_dtype). The same ring accounting as ``zeroshard.comm_stats()``.
+    """
+    n, c = est.world_size, est.compute_itemsize
+    if est.strategy == "NO_SHARD":
+        return {"all_reduce": (2 * _ring(sum(u.numel for u in est.units) * c, n), n)}
+    padded = [u.padded_numel * c for u in est.units]
+    out = {"forward all_gather": (_ring(sum(padded), n), n), "reduce_scatter": (_ring(sum(padded), n), n)}
+    if est.strategy == "FULL_SHARD":
+        g = est.hpz_group_size or n
+        out["backward all_gather"] = (_ring(sum(padded[1:]), g), g)
+    return out
+
+
+def hpz_tradeoff(psi: float, world_size: int, k: int, itemsize: int = 2, psi_root: float = 0.0) -> dict:
+    """ZeRO++ hpZ in closed form for Ψ gathered elements (Ψ_root of them in the
+    root unit, which backward does not re-gather): extra memory per rank and
+    the backward all-gather's bytes per rank, without and with hpZ."""
+    rest = (psi - psi_root) * itemsize
+    return {"secondary_bytes": rest / k,
+            "backward_bytes_zero3": _ring(rest, world_size), "backward_bytes_hpz": _ring(rest, k),
+            "group_sizes": (world_size, k)}
 
 
 def _fmt(b) -> str:
@@ -209,6 +256,28 @@ def table(rows: list[ModelStates], offload: bool) -> str:
     return "\n".join(out)
 
 
+def _hpz_table(a, psi, model, policy) -> str:
+    """The hpZ trade-off for FULL_SHARD: from the real units with --model, else Ψ
+    (an upper bound: the root unit, which backward does not re-gather, is unknown)."""
+    k, n = a.hpz_group_size, a.world_size
+    if n % k:
+        raise SystemExit(f"--hpz-group-size {k} must divide --world-size {n}")
+    dtype = DTYPES[a.mixed_precision]
+    c = dtype.itemsize if dtype else 4
+    if model is not None:
+        est = estimate_model(model, n, policy, "FULL_SHARD", dtype, hpz_group_size=k)
+        plain = comm_volume(estimate_model(model, n, policy, "FULL_SHARD", dtype))["backward all_gather"][0]
+        extra, hpz = est.secondary_bytes, comm_volume(est)["backward all_gather"][0]
+    else:
+        t = hpz_tradeoff(psi, n, k, c)
+        extra, plain, hpz = t["secondary_bytes"], t["backward_bytes_zero3"], t["backward_bytes_hpz"]
+    return "\n".join([
+        f"ZeRO++ hpZ, secondary shards over k = {k} of N = {n} ranks (FULL_SHARD, per rank):", "",
+        "| | memory held from forward to backward | backward all-gather sent | over |", "|---|---|---|---|",
+        f"| ZeRO-3 | 0 | {_fmt(plain)} | N = {n} ranks |",
+        f"| hpZ | {_fmt(extra)} | {_fmt(hpz)} | k = {k} ranks (intra-group) |"])
+
+
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(prog="python -m zeroshard.estimate", description=__doc__.split("\n")[0])
     ap.add_argument("--params", type=float, help="number of parameters Ψ (e.g. 7e9)")
@@ -218,6 +287,7 @@ def main(argv=None) -> str:
     ap.add_argument("--strategy", default="all", choices=[*STRATEGIES, "all"])
     ap.add_argument("--mixed-precision", default="bf16", choices=list(DTYPES))
     ap.add_argument("--offload", action="store_true", help="params/grads/optimizer state on CPU")
+    ap.add_argument("--hpz-group-size", type=int, help="ZeRO++ hpZ: secondary shards over k ranks (FULL_SHARD)")
     a = ap.parse_args(argv)
     if (a.params is None) == (a.model is None):
         ap.error("give exactly one of --params and --model")
@@ -255,6 +325,8 @@ def main(argv=None) -> str:
     lines.append(f"Model-state memory per rank: Ψ = {psi:,.0f}, N = {a.world_size}, "
                  f"mixed precision = {a.mixed_precision}, offload = {a.offload}")
     lines += ["", table(rows, a.offload)]
+    if a.hpz_group_size:
+        lines += ["", _hpz_table(a, psi, model if a.model else None, policy if a.model else None)]
     text = "\n".join(lines)
     print(text)
     return text

@@ -18,9 +18,11 @@ import torch.nn as nn
 
 from . import groups, hooks, materialize, optim_state
 from . import state_dict as sd
+from .bucket import unit_strategy
 from .flat_param import FlatParameter, collect_params
 from .grad_norm import clip_grad_norm_
 from .handle import FlatParamHandle
+from .hpz import SecondaryShards
 from .options import BackwardPrefetch, CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
 from .wrap import auto_wrap
 
@@ -54,6 +56,10 @@ class FullyShardedDataParallel(nn.Module):
         ignored_states=None,
         device_mesh=None,
         fsdp_group_size: int | None = None,
+        bucket_cap_mb: float | None = None,
+        param_persistence_threshold: int | None = None,
+        quantized_all_gather=None,
+        hpz_group_size: int | None = None,
     ):
         super().__init__()
         strategy = sharding_strategy or (ShardingStrategy.HYBRID_SHARD if fsdp_group_size else ShardingStrategy.FULL_SHARD)
@@ -85,6 +91,12 @@ class FullyShardedDataParallel(nn.Module):
         self.use_orig_params = use_orig_params
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.cpu_offload = cpu_offload or CPUOffload()
+        # Beyond torch FSDP (all off by default): see bucket, quantize and hpz.
+        self.bucket_cap_mb = bucket_cap_mb
+        self.param_persistence_threshold = param_persistence_threshold
+        self.quantized_all_gather = quantized_all_gather
+        self.hpz_group_size = hpz_group_size
+        hpz_group = groups.hpz_group(hpz_group_size, shard_group, strategy) if hpz_group_size and self.world_size > 1 else None
         self.compute_device = _compute_device(module, device_id, shard_group)
         ignored = {m for root in (ignored_modules or ()) for m in root.modules()}
         if auto_wrap_policy is not None:
@@ -94,6 +106,8 @@ class FullyShardedDataParallel(nn.Module):
                 limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params, device_id=device_id,
                 ignored_modules=ignored_modules, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                 param_init_fn=param_init_fn, sync_module_states=sync_module_states,
+                bucket_cap_mb=bucket_cap_mb, param_persistence_threshold=param_persistence_threshold,
+                quantized_all_gather=quantized_all_gather, hpz_group_size=hpz_group_size,
             )
             auto_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(m, **unit_kwargs), ignored, _is_unit)
         self._fsdp_wrapped_module = module
@@ -110,14 +124,18 @@ class FullyShardedDataParallel(nn.Module):
         _check_unowned(entries, type(module).__name__)
         self._handle = None
         if entries:
+            numel = sum(e[3].numel() for e in entries)
             self._handle = FlatParamHandle(
-                entries, aliases, group=shard_group, strategy=strategy,
+                entries, aliases, group=shard_group, strategy=unit_strategy(strategy, numel, param_persistence_threshold),
                 use_orig_params=use_orig_params, unit_name=type(module).__name__,
                 param_dtype=self.mixed_precision.param_dtype, reduce_dtype=self.mixed_precision.reduce_dtype,
                 replicate_group=replicate_group, compute_device=self.compute_device,
                 offload_params=self.cpu_offload.offload_params,
                 keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
             )
+            self._handle.persistent = self._handle.strategy != strategy
+            self._handle.quant = quantized_all_gather if self._handle.sharded else None
+            self._handle.hpz = SecondaryShards(hpz_group) if hpz_group is not None and self._handle.sharded else None
             flat = self._handle.flat_param
             self._handle.flat_param_host = module
             if not use_orig_params:

@@ -9,6 +9,9 @@ as in torch FSDP1 plus one zeroshard shorthand:
 * ``process_group=(shard_group, replicate_group)``
 * ``device_mesh``: a 2-D DeviceMesh, dim 0 replicate, dim 1 shard
 * ``fsdp_group_size=k``: consecutive blocks of k ranks shard, blocks replicate
+
+ZeRO++'s hpZ (``hpz_group_size=k``, see ``hpz``) uses the same blocks of k
+consecutive ranks for its secondary shards (:func:`hpz_group`).
 """
 from __future__ import annotations
 
@@ -75,3 +78,15 @@ def resolve(process_group, device_mesh, strategy, fsdp_group_size):
     if isinstance(process_group, tuple):
         raise ValueError(f"zeroshard: a (shard, replicate) process_group tuple needs a hybrid strategy, not {strategy.name}.")
     return process_group, None
+
+
+def hpz_group(k: int, shard_group, strategy):
+    """The group of k consecutive ranks that holds this rank's hpZ secondary shards."""
+    if strategy != ShardingStrategy.FULL_SHARD:
+        raise ValueError(f"zeroshard: hpz_group_size needs sharding_strategy=FULL_SHARD, not {strategy.name}: only ZeRO-3 "
+                         "gathers again for backward (ZeRO-2 keeps the forward's parameters; hybrid already gathers "
+                         "within a group). Fix: use FULL_SHARD, or drop hpz_group_size.")
+    if shard_group not in (None, dist.group.WORLD) and dist.get_world_size(shard_group) != dist.get_world_size():
+        raise ValueError("zeroshard: hpz_group_size shards secondary copies over blocks of the default group; "
+                         "a custom process_group is not supported with it. Fix: leave process_group unset.")
+    return block_groups(k)[0]

@@ -17,8 +17,6 @@ Gradient reduction lives in ``reduce``; when these steps run is ``hooks``'s job.
 from __future__ import annotations
 
 import enum
-import gc
-import weakref
 
 import torch
 import torch.nn as nn
@@ -26,6 +24,8 @@ import torch.nn as nn
 from . import comm, trace, validation
 from .flat_param import FlatLayout, FlatParameter, build_layout, flatten_params, shard_of
 from .options import ShardingStrategy
+from .quantize import QuantizedGather
+from .working_set import unsharded_tracker
 
 # Strategies that free parameters after forward (ZeRO-3) rather than keeping
 # them until the end of backward (ZeRO-2).
@@ -37,45 +37,6 @@ class HandleState(enum.Enum):
     FORWARD = enum.auto()
     BACKWARD_PRE = enum.auto()
     BACKWARD_POST = enum.auto()
-
-
-class LiveUnshardedTracker:
-    """Which units have their unsharded buffer allocated: the ZeRO-3 working
-    set of this process, with peaks, for tests, the demo and the estimator.
-
-    Handles are held weakly, so a model dropped while a unit was gathered
-    (a forward without backward) does not linger in the counts.
-    """
-
-    def __init__(self):
-        self.live: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # handle -> bytes
-        self.peak_units = self.peak_non_root_units = 0
-        self.peak_bytes = 0
-
-    def add(self, handle: "FlatParamHandle"):
-        self.live[handle] = handle.padded_bytes
-        self.peak_units = max(self.peak_units, len(self.live))
-        self.peak_non_root_units = max(self.peak_non_root_units, self.live_non_root)
-        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-
-    def remove(self, handle: "FlatParamHandle"):
-        self.live.pop(handle, None)
-
-    @property
-    def live_non_root(self) -> int:
-        return sum(not h.is_root for h in list(self.live))
-
-    @property
-    def live_bytes(self) -> int:
-        return sum(self.live.values())
-
-    def reset_peaks(self):
-        gc.collect()  # drop units of models that are gone but sit in reference cycles
-        self.peak_units, self.peak_non_root_units = len(self.live), self.live_non_root
-        self.peak_bytes = self.live_bytes
-
-
-unsharded_tracker = LiveUnshardedTracker()
 
 
 class FlatParamHandle:
@@ -150,6 +111,14 @@ class FlatParamHandle:
         self.pre_forward_index: int | None = None
         self.post_forward_index: int | None = None
         self.saved_grad_shard: torch.Tensor | None = None
+        # A persistent unit (see bucket) is NO_SHARD inside a sharded model;
+        # its reduced .grad is set aside before the next backward and added
+        # after that one's reduction, as a shard's is (same sums, same bits).
+        self.persistent = False
+        self.grad_reduced = False
+        self.quant = None  # an Int8BlockQuant: all-gather int8 blocks (see quantize)
+        self.hpz = None  # SecondaryShards: gather for backward within a group (see hpz)
+        self.secondary: torch.Tensor | None = None
         if use_orig_params:
             self.use_sharded_views()
         else:
@@ -188,7 +157,13 @@ class FlatParamHandle:
             self._full = self._full_buffer(dtype)
             self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
             step = "forward/backward" if not full_precision else "summon_full_params"
-            self._gather_work = comm.all_gather(self._full, src, self.group, what=f"unshard ({step}) of unit '{self.unit_name}'")
+            what = f"unshard ({step}) of unit '{self.unit_name}'"
+            if self.secondary is not None and not full_precision:  # ZeRO++ hpZ: backward gather inside the group
+                self._gather_work, self.secondary = self.hpz.gather(self._full, self.secondary, what), None
+            elif self.quant is not None and not full_precision:  # ZeRO++ qwZ: int8 blocks on the wire
+                self._gather_work = QuantizedGather(self.quant, self._full, self.local_shard.to(self.device), self.group, what)
+            else:
+                self._gather_work = comm.all_gather(self._full, src, self.group, what=what)
         else:
             self._full = src
         self.unsharded = True
@@ -214,13 +189,21 @@ class FlatParamHandle:
         The views are taken under grad mode from the FlatParameter itself so
         that autograd routes every parameter's gradient into ``flat_param.grad``.
         """
+        # Views made under no_grad would carry requires_grad without a grad_fn:
+        # a reentrant checkpoint's recomputation (run from inside backward, in
+        # the pre-backward's views) would then send no gradient to the unit.
         with torch.enable_grad():
             chunks = torch.split(self.flat_param, self.layout.split_sizes)
-        views = [chunks[2 * i + 1].view(p.shape) for i, p in enumerate(self.layout.params)]
+            views = [chunks[2 * i + 1].view(p.shape) for i, p in enumerate(self.layout.params)]
         for view, info in zip(views, self.layout.params):
             _set_tensor(info.module, info.name, view, self.use_orig_params)
         for info in self.layout.shared:
             _set_tensor(info.module, info.name, views[info.prim_index], self.use_orig_params)
+
+    def keep_secondary(self):
+        """hpZ: before the forward's buffer is freed, keep this rank's piece of it."""
+        if self.hpz is not None and self.unsharded and self._full.dtype == self.compute_dtype:
+            self.secondary = self.hpz.save(self._full)
 
     # ------------------------------------------------------------------ reshard
     def reshard(self, free: bool):
@@ -324,9 +307,10 @@ class FlatParamHandle:
         writes a fresh unsharded gradient; reduce adds the two afterwards.
         An unsharded gradient (from ``no_sync``) stays and autograd adds to it."""
         g = self.flat_param.grad
-        if g is not None and g.numel() != self.layout.numel:
+        if g is not None and (g.numel() != self.layout.numel or self.grad_reduced):
             self.saved_grad_shard = g.data if g.dtype == self.dtype else g.data.to(self.dtype)
             self.flat_param.grad = None
+        self.grad_reduced = False
 
     def prepare_gradient_for_optim(self):
         """After a synchronized backward, ``.grad`` is the reduced shard."""

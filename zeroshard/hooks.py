@@ -15,6 +15,13 @@ For one unit (a FullyShardedDataParallel instance with its FlatParamHandle):
 
 Prefetch targets come from the order units ran forward in: the unit that ran
 forward just before this one runs backward just after it.
+
+Activation checkpointing recomputes a forward during backward. A
+non-reentrant recomputation runs after the unit's pre-backward has gathered
+it (state BACKWARD_PRE: the forward hooks step aside); a reentrant one calls
+the unit's forward from inside backward before its pre-backward, so the
+post-forward keeps the parameters gathered for the backward that follows.
+Either way a unit is gathered once for backward and reduced once.
 """
 from __future__ import annotations
 
@@ -26,6 +33,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten
 
 from . import reduce, trace
+from .bucket import Bucketer
 from .handle import RESHARD_AFTER_FORWARD, HandleState
 from .options import BackwardPrefetch
 
@@ -44,6 +52,8 @@ class RootRuntime:
         self.first_iter = True
         self.pending: list[reduce.PendingReduction] = []
         self.callback_queued = False
+        cap = states[0].bucket_cap_mb  # the root's setting holds for the whole model
+        self.bucketer = Bucketer(cap) if cap is not None else None
 
 
 # ----------------------------------------------------------------- unshard
@@ -77,6 +87,8 @@ def _recover_from_interrupted_backward(rt):
     warnings.warn("zeroshard: the previous backward did not complete (an exception inside it?); its partial "
                   "gradients were discarded and all units were resharded.", stacklevel=3)
     reduce.finish_reductions(rt.pending)
+    if rt.bucketer is not None:
+        rt.bucketer.discard()  # never launched: nothing to match on the other ranks
     for state in rt.states:
         h = state._handle
         if h is None:
@@ -97,6 +109,7 @@ def root_pre_forward(state):
     rt.post_forward_order.clear()
     for h in rt.handles:
         h.post_forward_index = None
+        h.secondary = None  # hpZ: from before the optimizer step, stale
         h.reset_grad_if_orig_grads_none()
         if state.forward_prefetch:
             h.needs_pre_forward_unshard = True
@@ -130,19 +143,31 @@ def post_forward(state, output):
         return output
     if handle is not None:
         rt = state._runtime
-        handle.post_forward_index = len(rt.post_forward_order)
-        rt.post_forward_order.append(handle)
+        # A forward run from inside backward is a reentrant checkpoint's
+        # recomputation: its backward follows at once, so the parameters stay
+        # gathered for it (one all-gather, not two) and the execution order
+        # recorded by the real forward is kept.
+        recompute = _in_backward()
+        if not recompute:
+            handle.post_forward_index = len(rt.post_forward_order)
+            rt.post_forward_order.append(handle)
         if trace._active:
             trace.span_end("forward", handle.unit_name)
         # The root keeps its parameters for backward, which starts with it;
         # ZeRO-2 keeps them all. Without grad mode no backward will come to
         # free them, and a shard changed meanwhile (optimizer, load) would
         # leave them stale, so they are freed right away.
-        keep = torch.is_grad_enabled() and (state._is_root or handle.strategy not in RESHARD_AFTER_FORWARD)
+        keep = torch.is_grad_enabled() and (state._is_root or recompute or handle.strategy not in RESHARD_AFTER_FORWARD)
+        if not keep and torch.is_grad_enabled():
+            handle.keep_secondary()  # hpZ: the backward gathers from it within the group
         handle.reshard(free=not keep)
         handle.state = HandleState.IDLE
     _register_pre_backward(state, output)
     return output
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
 
 
 def _register_pre_backward(state, output):
@@ -214,12 +239,14 @@ def post_backward(state, flat_param):
         if handle.use_orig_params:
             handle.use_unsharded_grad_views()
         return
-    state._runtime.pending.append(reduce.start_reduction(handle))
+    rt = state._runtime
+    rt.pending += reduce.start_reduction(handle, rt.bucketer)
 
 
 @torch.no_grad()
 def post_backward_final(root):
     rt = root._runtime
+    rt.pending += reduce.flush(rt.bucketer)
     reduce.finish_reductions(rt.pending)
     for state in rt.states:
         handle = state._handle
@@ -228,6 +255,7 @@ def post_backward_final(root):
                 trace.span_end("backward", handle.unit_name)
             if handle.unsharded and handle.sharded:  # e.g. outputs unused by the loss
                 handle.reshard(_free_in_backward(state, handle))
+            handle.secondary = None
             if handle.flat_param.requires_grad and state._sync_gradients:
                 handle.prepare_gradient_for_optim()
             handle.end_iteration()

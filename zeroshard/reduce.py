@@ -19,7 +19,8 @@ accumulated, as torch FSDP1 does.
 
 The collectives are asynchronous: backward keeps computing the next unit while
 gloo/NCCL reduces this one; the root's end-of-backward callback waits for all
-of them (:func:`finish_reductions`).
+of them (:func:`finish_reductions`). With ``bucket_cap_mb`` several units'
+gradients share one collective (see ``bucket``).
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm, trace
+from .bucket import Bucket, Bucketer, pack_flat, pack_rows
 
 
 def divide_factors(world_size: int) -> tuple[float, float]:
@@ -42,58 +44,107 @@ def _div(t: torch.Tensor, factor: float):
 
 
 class PendingReduction:
-    """A reduction in flight, completed by :meth:`finish`."""
+    """A reduction in flight (one unit's, or a bucket's), completed by :meth:`finish`."""
 
-    def __init__(self, handle, work, out: torch.Tensor, inp: torch.Tensor, post: float):
-        self.handle, self.work, self.out, self.inp, self.post = handle, work, out, inp, post
+    def __init__(self, entries, work, out: torch.Tensor, inp: torch.Tensor, sizes: list[int]):
+        # entries: (handle, post-divide factor); out: their results end to end.
+        self.entries, self.work, self.out, self.inp, self.sizes = entries, work, out, inp, sizes
         if trace._active:
-            trace.span_begin("reduce_scatter" if handle.sharded else "all_reduce", handle.unit_name)
+            for h, _ in entries:
+                trace.span_begin(_kind(h), h.unit_name)
 
     def finish(self):
         self.work.wait()
         if trace._active:
-            trace.span_end("reduce_scatter" if self.handle.sharded else "all_reduce", self.handle.unit_name)
+            for h, _ in self.entries:
+                trace.span_end(_kind(h), h.unit_name)
         self.inp = None  # the send buffer may be freed now
-        h = self.handle
-        if h.replicate_group is not None:  # HSDP: the shard is summed across replicas too
-            comm.all_reduce(self.out, h.replicate_group, what=f"replica all-reduce of unit '{h.unit_name}' gradients")
-        _div(self.out, self.post)
-        if h.offload and self.out.device != h.local_shard.device:
-            self.out = self.out.to(h.local_shard.device)  # the optimizer steps the CPU shard
-        if self.out.dtype != h.dtype:  # reduced in low precision: back to the master dtype
-            if h.sharded:
-                self.out = self.out.to(h.dtype)
-            elif not h.keep_low_precision_grads:  # NO_SHARD keeps the reduced dtype then
-                h.flat_param.grad.data = self.out.to(h.dtype)
+        h0 = self.entries[0][0]
+        if h0.replicate_group is not None:  # HSDP: the shard is summed across replicas too
+            comm.all_reduce(self.out, h0.replicate_group, what=f"replica all-reduce of {_names(self.entries)} gradients")
+        outs = self.out.split(self.sizes) if len(self.entries) > 1 else [self.out]
+        for (h, post), out in zip(self.entries, outs):
+            _accumulate(h, out, post)
+
+
+def _kind(h) -> str:
+    return "reduce_scatter" if h.sharded else "all_reduce"
+
+
+def _names(entries) -> str:
+    names = [f"'{h.unit_name}'" for h, _ in entries]
+    return f"unit {names[0]}" if len(names) == 1 else f"units {', '.join(names)} (one bucket)"
+
+
+def _accumulate(h, out: torch.Tensor, post: float):
+    """Post-divide one unit's reduced gradient and hand it to the unit."""
+    _div(out, post)
+    if not h.sharded and out.data_ptr() != h.flat_param.grad.data_ptr():
+        h.flat_param.grad.data.copy_(out)  # bucketed all-reduce: back from the bucket
+        out = h.flat_param.grad.data
+    if h.offload and out.device != h.local_shard.device:
+        out = out.to(h.local_shard.device)  # the optimizer steps the CPU shard
+    if out.dtype != h.dtype:  # reduced in low precision: back to the master dtype
         if h.sharded:
-            if h.saved_grad_shard is None:
-                h.saved_grad_shard = self.out
-            else:
-                h.saved_grad_shard += self.out
+            out = out.to(h.dtype)
+        elif not h.keep_low_precision_grads:  # NO_SHARD keeps the reduced dtype then
+            h.flat_param.grad.data = out.to(h.dtype)
+    if h.persistent:  # add the gradient set aside before this backward
+        if h.saved_grad_shard is not None:
+            h.flat_param.grad.data += h.saved_grad_shard
+            h.saved_grad_shard = None
+        h.grad_reduced = True
+    if h.sharded:
+        if h.saved_grad_shard is None:
+            h.saved_grad_shard = out
+        else:
+            h.saved_grad_shard += out
 
 
-def start_reduction(handle) -> PendingReduction:
-    """Launch the reduction of ``handle.flat_param.grad`` (the local unsharded gradient)."""
+def start_reduction(handle, bucketer: Bucketer | None = None) -> list[PendingReduction]:
+    """Launch the reduction of ``handle.flat_param.grad`` (the local unsharded
+    gradient), or put it in a bucket; returns the reductions launched."""
     flat = handle.flat_param
     replicas = handle.replicate_group.size() if handle.replicate_group is not None else 1
     pre, post = divide_factors(handle.world_size * replicas)
     if flat.grad.dtype != handle.reduce_dtype:
         flat.grad.data = flat.grad.data.to(handle.reduce_dtype)
     if not handle.sharded:
-        grad = flat.grad  # stays in .grad; all-reduced in place
+        grad = flat.grad  # stays in .grad; all-reduced in place (unless bucketed)
         _div(grad, pre)
-        work = comm.all_reduce(grad, handle.group, async_op=True, what=f"NO_SHARD gradient of unit '{handle.unit_name}'")
-        return PendingReduction(handle, work, grad, grad, post)
-    grad = flat.grad.data
-    # Clear .grad now so a second backward before the reduction completes
-    # writes a new tensor instead of adding into the one being sent.
-    flat.grad = None
-    pad = handle.layout.padded_numel - grad.numel()
-    padded = F.pad(grad, [0, pad]) if pad else grad
-    _div(padded, pre)
-    out = padded.new_empty(handle.layout.shard_numel)
-    work = comm.reduce_scatter(out, padded, handle.group, what=f"post-backward gradient of unit '{handle.unit_name}'")
-    return PendingReduction(handle, work, out, padded, post)
+    else:
+        grad = flat.grad.data
+        # Clear .grad now so a second backward before the reduction completes
+        # writes a new tensor instead of adding into the one being sent.
+        flat.grad = None
+        pad = handle.layout.padded_numel - grad.numel()
+        grad = F.pad(grad, [0, pad]) if pad else grad
+        _div(grad, pre)
+    if bucketer is None:
+        bucket = Bucket(handle.sharded)
+        bucket.add(handle, grad, post)
+        return [launch(bucket)]
+    return [launch(b) for b in bucketer.add(handle, grad, post)]
+
+
+def launch(bucket: Bucket) -> PendingReduction:
+    """One collective for every gradient in ``bucket``."""
+    h = bucket.entries[0][0]
+    grads = [g for _, g, _ in bucket.entries]
+    entries = [(e[0], e[2]) for e in bucket.entries]
+    if not bucket.sharded:
+        inp, sizes = pack_flat(grads)
+        what = f"NO_SHARD gradient of {_names(entries)}"
+        return PendingReduction(entries, comm.all_reduce(inp, h.group, async_op=True, what=what), inp, inp, sizes)
+    inp, sizes = pack_rows(grads, h.world_size)
+    out = inp.new_empty(sum(sizes))
+    work = comm.reduce_scatter(out, inp, h.group, what=f"post-backward gradient of {_names(entries)}")
+    return PendingReduction(entries, work, out, inp, sizes)
+
+
+def flush(bucketer: Bucketer | None) -> list[PendingReduction]:
+    """Launch every bucket still open (the end of backward)."""
+    return [launch(b) for b in bucketer.flush()] if bucketer is not None else []
 
 
 def finish_reductions(pending: list[PendingReduction]):

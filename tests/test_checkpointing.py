@@ -1,0 +1,227 @@
+"""Activation checkpointing on sharded units: bit-exact with torch FSDP1 under
+the same checkpointing, one all-gather per unit for the recomputation, one
+reduce-scatter per unit, and nothing left gathered after the step.
+
+Where the checkpoint sits (every placement torch's tools produce):
+
+* ``inside``: FSDP first, then ``apply_activation_checkpointing`` on the block
+  class: the CheckpointWrapper replaces the unit's wrapped module.
+* ``wrapped``: ``apply_activation_checkpointing`` on the plain model, then FSDP
+  auto-wraps the CheckpointWrapper class (the same structure, built the other way).
+* ``outside``: the CheckpointWrapper wraps the FSDP unit itself, so the
+  recomputation runs the unit's own forward (and its hooks) during backward.
+* ``function``: the blocks call ``torch.utils.checkpoint`` on parts of their
+  compute (two regions per unit plus a layer outside them).
+
+Each with ``use_reentrant=False`` and ``True`` (``function`` only non-reentrant:
+a reentrant region covering only part of a unit fails in torch FSDP1 and in
+zeroshard alike — its own backward would reduce the unit before the rest of it).
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.distributed.fsdp as tfsdp
+import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+)
+from torch.utils.checkpoint import checkpoint
+
+import zeroshard as zs
+from models import Block, TransformerBlock, batch, build
+
+
+class RegionBlock(nn.Module):
+    """A residual block that checkpoints two regions of its compute itself."""
+
+    def __init__(self, d: int = 7, hidden: int = 13):
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(d, hidden), nn.Linear(hidden, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = checkpoint(lambda t: torch.relu(self.l1(t)), x, use_reentrant=False)
+        y = x + checkpoint(self.l2, h, use_reentrant=False)
+        return self.l3(y)  # outside any region
+
+
+class RegionMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(5, 7), nn.Linear(7, 3)
+        self.blocks = nn.ModuleList(RegionBlock() for _ in range(3))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
+BLOCKS = (Block, TransformerBlock, RegionBlock)
+
+
+def _wrap(engine: str, model: nn.Module, place: str, reentrant: bool, strategy: str, use_orig_params: bool):
+    if engine == "torch":
+        cls, lib, enums, extra = tfsdp.FullyShardedDataParallel, tfsdp.wrap, tfsdp, {"device_id": torch.device("cpu")}
+    else:
+        cls, lib, enums, extra = zs.FSDP, zs.wrap, zs, {}
+    wrapper = functools.partial(checkpoint_wrapper,
+                                checkpoint_impl=CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT)
+    kw = dict(use_orig_params=use_orig_params, sharding_strategy=getattr(enums.ShardingStrategy, strategy), **extra)
+    if place == "wrapped":
+        apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, BLOCKS))
+        return cls(model, auto_wrap_policy=lib.ModuleWrapPolicy({CheckpointWrapper}), **kw)
+    root = cls(model, auto_wrap_policy=lib.ModuleWrapPolicy(set(BLOCKS)), **kw)
+    if place == "inside":
+        apply_activation_checkpointing(root, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: isinstance(m, BLOCKS))
+    elif place == "outside":
+        apply_activation_checkpointing(root, checkpoint_wrapper_fn=wrapper,
+                                       check_fn=lambda m: isinstance(m, cls) and m is not root)
+    return root
+
+
+def _base(model: str) -> nn.Module:
+    if model == "region":
+        torch.manual_seed(0)
+        return RegionMLP()
+    return build(model)
+
+
+def _checkpointed_parity(rank, world_size, model_name, place, reentrant, strategy, use_orig_params, steps=3):
+    """Train both engines side by side; returns per-step collective counts and
+    per-unit all-gather counts (from the lifecycle trace) of zeroshard."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = _base(model_name)
+        ref = _wrap("torch", copy.deepcopy(base), place, reentrant, strategy, use_orig_params)
+        ours = _wrap("zeroshard", copy.deepcopy(base), place, reentrant, strategy, use_orig_params)
+    units = zs.FSDP.fsdp_modules(ours)
+    handles = [u._handle for u in units if u._handle is not None]
+    wrappers = sum(isinstance(m, CheckpointWrapper) for m in ours.modules())
+    assert wrappers == (0 if place == "function" else len(units) - 1), "checkpointing was not applied"
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt_ours = torch.optim.AdamW(ours.parameters(), lr=1e-2)
+    counts, gathers_per_unit, live_after = [], [], []
+    d_in = 5
+    for step in range(steps):
+        x = batch("gpt" if model_name == "gpt" else "mlp", rank, step, d_in)
+        out_ref = ref(x)
+        out_ref.float().pow(2).mean().backward()
+        zs.unsharded_tracker.reset_peaks()
+        with zs.comm_stats() as stats, zs.trace.record() as tl:
+            out = ours(x)
+            out.float().pow(2).mean().backward()
+        assert torch.equal(out_ref, out), f"step {step}: forward output differs"
+        for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
+            assert (a.grad is None) == (b.grad is None), f"step {step}: grad of {n} is None on one side"
+            if a.grad is not None:
+                assert torch.equal(a.grad, b.grad), f"step {step}: grad of {n} differs by {(a.grad - b.grad).abs().max()}"
+        # Nothing gathered is left: every unit's padded storage is really freed.
+        live_after.append(([h.padded.untyped_storage().size() for h in handles if h.sharded],
+                           len(zs.unsharded_tracker.live), zs.unsharded_tracker.peak_non_root_units))
+        opt_ref.step()
+        opt_ours.step()
+        opt_ref.zero_grad()
+        opt_ours.zero_grad()
+        for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
+            assert torch.equal(a, b), f"step {step}: parameter {n} differs after AdamW"
+        counts.append((stats.calls.get("all_gather", 0), stats.calls.get("reduce_scatter", 0)))
+        per_unit = {}
+        for s in tl.select("all_gather"):
+            per_unit[s.unit] = per_unit.get(s.unit, 0) + 1
+        rs_units = sorted(s.unit for s in tl.select("reduce_scatter"))
+        gathers_per_unit.append((per_unit, rs_units))
+    names = [h.unit_name for h in handles]
+    root = next(h.unit_name for h in handles if h.is_root)
+    return dict(units=len(handles), names=names, root=root, counts=counts, per_unit=gathers_per_unit, live=live_after)
+
+
+# (placement, reentrant, use_orig_params): each placement and implementation
+# once, use_orig_params alternating.
+CASES = [("inside", False, False), ("inside", True, True), ("wrapped", False, True), ("wrapped", True, False),
+         ("outside", False, False), ("outside", True, True)]
+
+
+def _expected_gathers(strategy: str, place: str, reentrant: bool, is_root: bool) -> int:
+    """All-gathers of one unit per step."""
+    if is_root:
+        return 1  # gathered in forward, kept for its backward (the root is never checkpointed here)
+    if strategy == "FULL_SHARD":
+        return 2  # forward, then once for backward: the recomputation reuses that gather
+    # ZeRO-2 keeps the forward's gather, except that a reentrant checkpoint
+    # around the unit runs its forward without grad (freed: no backward is
+    # known to follow) and gathers again to recompute.
+    return 2 if place == "outside" and reentrant else 1
+
+
+def _check(result: dict, strategy: str, place: str, reentrant: bool):
+    n = result["units"]
+    want = {name: _expected_gathers(strategy, place, reentrant, name == result["root"]) for name in result["names"]}
+    for step, ((ag, rs), (per_unit, rs_units), (storage, live, peak)) in enumerate(
+            zip(result["counts"], result["per_unit"], result["live"])):
+        assert per_unit == want, f"step {step}: all-gathers per unit {per_unit}, expected {want}"
+        assert (ag, rs) == (sum(want.values()), n), f"step {step}: (all-gathers, reduce-scatters) = {(ag, rs)}"
+        assert rs_units == sorted(result["names"]), f"step {step}: reduce-scattered units {rs_units}"
+        assert storage == [0] * len(storage) and live == 0, f"step {step}: unsharded storage left: {storage}"
+        # limit_all_gathers' bound holds through the recomputation too (ZeRO-2
+        # keeps every unit gathered from forward to backward by design).
+        bound = 2 if strategy == "FULL_SHARD" else n - 1
+        assert 1 <= peak <= bound, f"step {step}: {peak} non-root units gathered at once"
+
+
+@pytest.mark.parametrize("place,reentrant,use_orig_params", CASES)
+def test_checkpoint_wrapper_parity_and_gathers(ranks, place, reentrant, use_orig_params):
+    for res in ranks.run(2, _checkpointed_parity, "mlp", place, reentrant, "FULL_SHARD", use_orig_params):
+        _check(res, "FULL_SHARD", place, reentrant)
+
+
+@pytest.mark.parametrize("place,reentrant", [("inside", True), ("outside", True)])
+def test_shard_grad_op(ranks, place, reentrant):
+    for res in ranks.run(2, _checkpointed_parity, "mlp", place, reentrant, "SHARD_GRAD_OP", False, 2):
+        _check(res, "SHARD_GRAD_OP", place, reentrant)
+
+
+@pytest.mark.parametrize("place,reentrant", [("inside", True), ("outside", False)])
+def test_gpt_blocks(ranks, place, reentrant):
+    """Tied embeddings, attention, LayerNorm, use_orig_params=True."""
+    for res in ranks.run(2, _checkpointed_parity, "gpt", place, reentrant, "FULL_SHARD", True, 2):
+        _check(res, "FULL_SHARD", place, reentrant)
+
+
+def test_torch_utils_checkpoint_regions_in_forward(ranks):
+    """``torch.utils.checkpoint`` called inside a unit's forward on two regions
+    and with a layer outside them (non-reentrant)."""
+    for res in ranks.run(2, _checkpointed_parity, "region", "function", False, "FULL_SHARD", True):
+        _check(res, "FULL_SHARD", "function", False)
+
+
+def _pre_backward_views_have_grad_fn(rank, world_size):
+    """The views the pre-backward hands the module must be autograd views of
+    the FlatParameter even though the hook runs with grad mode off: a
+    reentrant recomputation computes with exactly these."""
+    model = zs.FSDP(build("mlp"), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    block = zs.FSDP.fsdp_modules(model)[1]
+    seen = []
+
+    def grab(_grad):
+        seen.append(block.module.l1.weight.grad_fn is not None)
+
+    block_out = []
+    block.register_forward_hook(lambda m, i, o: block_out.append(o))
+    out = model(batch("mlp", rank, 0))
+    # Runs after the block's pre-backward hook (registered earlier on the same tensor).
+    block_out[-1].register_hook(grab)
+    out.sum().backward()
+    return seen
+
+
+def test_pre_backward_views_are_autograd_views(ranks):
+    assert ranks.run(2, _pre_backward_views_have_grad_fn) == [[True], [True]]

@@ -1,0 +1,55 @@
+"""Hierarchical secondary shards: ZeRO++'s hpZ (Wang et al., 2023, section 3.2).
+
+ZeRO-3 all-gathers a unit's parameters over all N ranks twice per step. hpZ
+makes the backward one cheap: when the forward's all-gather has produced the
+full parameters, each rank keeps a *secondary shard* of them, partitioned
+only within its group of k consecutive ranks (a node, on real hardware:
+NVLink instead of the network), and the backward all-gather runs over that
+intra-group process group. The k ranks of a group hold the k consecutive
+pieces of the padded buffer, so their gather rebuilds it exactly: training is
+bit-identical to FULL_SHARD.
+
+The trade: each rank holds ``padded_numel / k`` extra elements (compute dtype)
+per unit from its forward to its backward — at most the sum over the non-root
+units at the start of backward — and sends ``padded·(k−1)/k`` per unit in the
+backward gather over k ranks instead of ``padded·(N−1)/N`` over N
+(``estimate.hpz_tradeoff`` computes both for a model). Gradients are still
+reduce-scattered over all N ranks; the secondary copy is dropped once the
+backward gather has consumed it, and at the next forward in any case (the
+optimizer has changed the parameters by then).
+
+Use: ``FullyShardedDataParallel(model, hpz_group_size=k)`` with FULL_SHARD.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import comm
+
+
+class SecondaryShards:
+    """This rank's place in its hpZ group of ``k`` consecutive ranks."""
+
+    def __init__(self, group):
+        self.group = group
+        self.k, self.index = group.size(), group.rank()
+
+    def save(self, full: torch.Tensor) -> torch.Tensor:
+        """A copy of this rank's piece of the gathered buffer (``full``, padded)."""
+        n = full.numel() // self.k  # the padded buffer is N shards, and k divides N
+        return full[self.index * n : (self.index + 1) * n].clone()
+
+    def gather(self, full: torch.Tensor, secondary: torch.Tensor, what: str) -> "SecondaryGather":
+        return SecondaryGather(comm.all_gather(full, secondary, self.group, what=what + " from hpZ secondary shards"),
+                               secondary)
+
+
+class SecondaryGather:
+    """The intra-group all-gather in flight; it owns the secondary shard until done."""
+
+    def __init__(self, work, secondary: torch.Tensor):
+        self.work, self.secondary = work, secondary
+
+    def wait(self):
+        self.work.wait()
+        self.secondary = None  # consumed: its memory is released
