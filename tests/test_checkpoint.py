@@ -1,8 +1,9 @@
 """Checkpoints: optimizer state dicts equal to torch FSDP1's and loadable by
-either engine, resuming bit-exactly; SHARDED state dicts through
-torch.distributed.checkpoint with resharding across world sizes; the
-consolidation CLI; atomic saves that survive SIGKILL; prefixed and misshapen
-FULL state dicts."""
+either engine, resuming bit-exactly, also rank 0 only; SHARDED state dicts
+through torch.distributed.checkpoint with resharding across world sizes; the
+consolidation CLI (model and optimizer); atomic saves that survive SIGKILL;
+prefixed and misshapen FULL state dicts. (Sharded optimizer state and hybrid
+sharding: test_sharded_checkpoint.py; atomic DCP directories: test_dcp_atomic.py.)"""
 from __future__ import annotations
 
 import copy
@@ -15,7 +16,8 @@ import torch.distributed.fsdp as tfsdp
 import zeroshard as zs
 from models import batch, build
 from parity import DEFAULTS, _wrap
-from zeroshard import optim_state
+from zeroshard import checkpoint, optim_state
+from zeroshard.optim_state import FullOptimStateDictConfig
 
 
 def _engines(model_name, use_orig_params, strategy="FULL_SHARD", engines=("torch", "zeroshard"), seed=0):
@@ -190,6 +192,44 @@ def test_optim_state_dict_crosses_engines(ranks, src_orig, dst_orig):
     ranks.run(2, _cross_engine, "mlp", src_orig, dst_orig)
 
 
+def _rank0_only(rank, world_size, use_orig_params):
+    """FullOptimStateDictConfig(rank0_only=True): the full dict on rank 0
+    only, {} elsewhere, as torch; loading reads rank 0's dict only."""
+    (ref, ours), (opt_ref, opt_ours) = _engines("mlp", use_orig_params)
+    for step in range(3):
+        for m, o in ((ref, opt_ref), (ours, opt_ours)):
+            _step(m, o, "mlp", rank, step)
+    TFSDP, FULL = tfsdp.FullyShardedDataParallel, tfsdp.StateDictType.FULL_STATE_DICT
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with TFSDP.state_dict_type(ref, FULL, tfsdp.FullStateDictConfig(), tfsdp.FullOptimStateDictConfig(rank0_only=True, offload_to_cpu=False)):
+            osd_t = TFSDP.optim_state_dict(ref, opt_ref)
+            with zs.FSDP.state_dict_type(ours, zs.StateDictType.FULL_STATE_DICT, None, FullOptimStateDictConfig(rank0_only=True)):
+                osd_z = zs.FSDP.optim_state_dict(ours, opt_ours)
+                # Each engine's rank-0 dict loads into both (other ranks pass the {} they got).
+                for osd in (osd_t, osd_z):
+                    _assert_local_equal(opt_ours.state_dict(), zs.FSDP.optim_state_dict_to_load(ours, opt_ours, osd))
+                    _assert_local_equal(opt_ref.state_dict(), TFSDP.optim_state_dict_to_load(ref, opt_ref, osd))
+        # torch's full_optim_state_dict always offloads: wrong on CPU with use_orig_params=True (see _torch_osd)
+        legacy_t = TFSDP.full_optim_state_dict(ref, opt_ref) if not use_orig_params else None
+    legacy_z = zs.FSDP.full_optim_state_dict(ours, opt_ours)  # rank0_only=True by default, as in torch
+    everywhere = zs.FSDP.full_optim_state_dict(ours, opt_ours, rank0_only=False)
+    full_t = _torch_osd(ref, opt_ref)
+    if rank != 0:
+        assert osd_t == {} and osd_z == {} and legacy_z == {} and legacy_t in (None, {})
+        _assert_osd_equal(full_t, everywhere)
+        return True
+    for osd in (osd_t, osd_z, legacy_z, everywhere, legacy_t):
+        if osd is not None:
+            _assert_osd_equal(full_t, osd)
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_rank0_only_optim_state_dict_matches_torch(ranks, use_orig_params):
+    assert all(ranks.run(3, _rank0_only, use_orig_params))
+
+
 # ------------------------------------------------- SHARDED_STATE_DICT with DCP
 def _zs_model(model_name, use_orig_params, seed=0):
     (model,), (opt,) = _engines(model_name, use_orig_params, engines=("zeroshard",), seed=seed)
@@ -272,6 +312,28 @@ def test_consolidate_cli_gives_a_plain_state_dict(ranks, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "zeroshard.consolidate", str(tmp_path), str(out)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode != 0 and "not a torch.distributed.checkpoint directory" in bad.stderr
+
+
+def _save_model_and_optim(rank, world_size, path):
+    (model,), (opt,) = _engines("gpt", True, engines=("zeroshard",))
+    for step in range(2):
+        _step(model, opt, "gpt", rank, step)
+    full = zs.FSDP.optim_state_dict(model, opt)
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.SHARDED_STATE_DICT):
+        checkpoint.save_sharded({"model": model.state_dict(), "optim": zs.FSDP.optim_state_dict(model, opt)}, path)
+    return full if rank == 0 else None
+
+
+def test_consolidate_gives_the_full_optimizer_state_dict(ranks, tmp_path):
+    from zeroshard.consolidate import consolidate
+
+    ckpt = str(tmp_path / "ckpt")
+    full = ranks.run(3, _save_model_and_optim, ckpt)[0]
+    got = consolidate(ckpt, str(tmp_path / "optim.pt"), key="optim")
+    assert set(got["state"]) == set(full["state"])
+    _assert_osd_equal(full, {**got, "state": {k: got["state"][k] for k in full["state"]}})
+    reloaded = torch.load(tmp_path / "optim.pt", weights_only=False)
+    assert all(torch.equal(reloaded["state"][k]["exp_avg"], full["state"][k]["exp_avg"]) for k in full["state"])
 
 
 # ------------------------------------------------------------- atomic saves

@@ -18,8 +18,9 @@ The package reads in lifecycle order:
   validation  -> checks before sharding (dtype, requires_grad, same layout on all ranks)
   grad_norm   -> clip_grad_norm_ over shards
   state_dict  -> summon_full_params, full, local and sharded (DCP) state dicts
+  sharded_state -> SHARDED tensors: this rank's rows as DTensors (1-D, or 2-D for hybrid) for DCP
   optim_state -> optimizer state dicts (ZeRO-1 state, gathered / re-sharded)
-  checkpoint  -> atomic checkpoint files; consolidate: DCP dir -> one file
+  checkpoint  -> atomic checkpoint files and DCP directories; consolidate: DCP dir -> one file
   comm        -> the collectives, with byte accounting
   ext         -> optional C++/CUDA flatten/unflatten kernels
   trace       -> opt-in timeline of the lifecycle (Chrome trace, PNG)
@@ -42,6 +43,7 @@ from .ext import ext_backend
 from .quantize import Int8BlockQuant
 from .fully_sharded import FSDP, FullyShardedDataParallel
 from .handle import unsharded_tracker
+from .optim_state import FullOptimStateDictConfig, OptimStateDictConfig, ShardedOptimStateDictConfig
 from .options import (
     BackwardPrefetch,
     CPUOffload,
@@ -71,6 +73,9 @@ __all__ = [
     "ext_backend",
     "unsharded_tracker",
     "Int8BlockQuant",
+    "OptimStateDictConfig",
+    "FullOptimStateDictConfig",
+    "ShardedOptimStateDictConfig",
     "initialize",
     "Engine",
     "from_accelerate_config",

@@ -1,20 +1,36 @@
-"""Atomic checkpoint files: a save that dies midway never destroys the last good one.
+"""Atomic checkpoints: a save that dies midway never destroys the last good one.
 
-``torch.save(obj, path)`` truncates ``path`` first and then writes it, so a
-process killed mid-write (preemption, OOM killer, SIGKILL) leaves neither the
-old nor the new checkpoint. :func:`save` writes a temporary file in the same
-directory (same filesystem, so the rename cannot become a copy), flushes it
-to disk, and ``os.replace``s it over ``path``: readers see the old file or the
-complete new one, never a prefix. A killed save can leave a stale
-``.NAME.*.tmp`` file next to ``path``; the next save to ``path`` removes it.
+Single files. ``torch.save(obj, path)`` truncates ``path`` first and then
+writes it, so a process killed mid-write (preemption, OOM killer, SIGKILL)
+leaves neither the old nor the new checkpoint. :func:`save` writes a
+temporary file in the same directory (same filesystem, so the rename cannot
+become a copy), flushes it to disk, and ``os.replace``s it over ``path``:
+readers see the old file or the complete new one, never a prefix. A killed
+save can leave a stale ``.NAME.*.tmp`` file next to ``path``; the next save to
+``path`` removes it.
+
+Sharded (DCP) directories. ``torch.distributed.checkpoint.save`` writes one
+file per rank and then ``.metadata`` into the directory it is given; killed
+midway over an existing checkpoint, it leaves a mix of old and new files.
+:func:`save_sharded` has every rank write into a temporary sibling directory;
+after all ranks finished (a barrier), rank 0 swaps it into place in one step
+(Linux ``renameat2(RENAME_EXCHANGE)``; elsewhere two renames, rolled back by
+the next save or load if killed between them) and only then deletes the
+previous checkpoint. :func:`load_sharded` checks the state to load into
+against the checkpoint's metadata first, and names the first key, shape,
+dtype or world-size problem on every rank instead of failing inside DCP.
 """
 from __future__ import annotations
 
+import ctypes
 import glob
+import json
 import os
+import shutil
 import tempfile
 
 import torch
+import torch.distributed as dist
 
 
 def _tmp_prefix(path: str) -> str:
@@ -41,14 +57,254 @@ def save(obj, path: str | os.PathLike) -> None:
         if os.path.exists(tmp):
             os.remove(tmp)
         raise
-    # Persist the rename itself (the directory entry) across a power loss.
-    dir_fd = os.open(directory, os.O_RDONLY)
+    _fsync_dir(directory)  # persist the rename itself (the directory entry) across a power loss
+
+
+def _fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(dir_fd)
+        os.fsync(fd)
     finally:
-        os.close(dir_fd)
+        os.close(fd)
 
 
 def load(path: str | os.PathLike, map_location=None, weights_only: bool = True):
     """``torch.load`` of a file written by :func:`save` (or by ``torch.save``)."""
     return torch.load(os.fspath(path), map_location=map_location, weights_only=weights_only)
+
+
+# ------------------------------------------------------- sharded (DCP) directories
+SIDECAR = "zeroshard.json"  # {"world_size": N}: what DCP's metadata does not say
+_USE_EXCHANGE = True  # tests switch it off to exercise the two-rename fallback
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _on_rank0(fn, what: str):
+    """Run ``fn`` on rank 0 only; every rank returns its result or raises its
+    error (a broadcast, so it is also a barrier: nobody returns before rank 0)."""
+    result, error = None, None
+    if not _distributed() or dist.get_rank() == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001 - re-raised below, and told to the other ranks
+            error = e
+    if _distributed():
+        box = [(result, None if error is None else f"{type(error).__name__}: {error}")]
+        dist.broadcast_object_list(box, src=0)
+        result, message = box[0]
+        if message is not None and error is None:
+            raise RuntimeError(f"zeroshard: {what} failed on rank 0: {message}")
+    if error is not None:
+        raise error
+    return result
+
+
+def _aside(path: str) -> str:
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+    """Only files DCP or save_sharded write: the one kind of directory save_sharded may replace."""
+    return os.path.isdir(path) and not os.path.islink(path) and all(
+        n in (".metadata", SIDECAR) or n.endswith((".distcp", ".metadata.tmp")) for n in os.listdir(path))
+
+
+def _recover(path: str) -> None:
+    """Finish or undo a swap killed between its two renames (fallback mode only)."""
+    aside = _aside(path)
+    if os.path.isdir(aside):
+        if not os.path.lexists(path):
+            os.rename(aside, path)  # killed after moving the old one aside: put it back
+        else:
+            shutil.rmtree(aside)  # killed after the new one was in place
+
+
+def _exchange(a: str, b: str) -> bool:
+    """Atomically swap two directory entries (Linux >= 3.15); False where unsupported."""
+    if not _USE_EXCHANGE:
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    errno = ctypes.get_errno()
+    if errno in (22, 38, 95):  # EINVAL, ENOSYS, EOPNOTSUPP: this filesystem or kernel cannot
+        return False
+    raise OSError(errno, os.strerror(errno), f"renameat2({a}, {b}, RENAME_EXCHANGE)")
+
+
+def _prepare(path: str) -> str:
+    parent, name = os.path.split(path)
+    os.makedirs(parent, exist_ok=True)
+    _recover(path)
+    if os.path.lexists(path) and not _is_checkpoint_dir(path):
+        raise FileExistsError(f"zeroshard: save_sharded: '{path}' exists and is not a checkpoint directory (it holds "
+                              "other files); refusing to replace it. Fix: pass a new path or a previous checkpoint's.")
+    for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(f".{name}.") + "*.tmp")):
+        shutil.rmtree(stale, ignore_errors=True)  # left by a killed save; nobody else writes these names
+    tmp = os.path.join(parent, f".{name}.{os.urandom(6).hex()}.tmp")
+    os.mkdir(tmp)  # not mkdtemp: its mode 0700 would become the checkpoint's; mkdir follows the umask as dcp.save does
+    return tmp
+
+
+def _commit(tmp: str, path: str, world_size: int) -> None:
+    with open(os.path.join(tmp, SIDECAR), "w") as f:
+        json.dump({"world_size": world_size}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)  # DCP fsyncs its files; this persists their names
+    if not os.path.lexists(path):
+        os.rename(tmp, path)
+    elif _exchange(tmp, path):
+        shutil.rmtree(tmp)  # tmp now names the previous checkpoint
+    else:
+        aside = _aside(path)
+        os.rename(path, aside)
+        os.rename(tmp, path)
+        shutil.rmtree(aside)
+    _fsync_dir(os.path.dirname(path))
+
+
+def save_sharded(state: dict, path: str | os.PathLike) -> None:
+    """``torch.distributed.checkpoint.save(state, path)``, atomically (collective).
+
+    ``path`` holds the previous complete checkpoint until the new one is
+    complete on every rank, then the new one. Plain tensors (not DTensor /
+    ShardedTensor) must be equal on every rank: DCP keeps one copy of each.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.abspath(os.fspath(path))
+    _check_plain_tensors_agree(state)
+    tmp = _on_rank0(lambda: _prepare(path), "save_sharded (preparing the directory)")
+    dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+    if _distributed():
+        # dcp.save already ends with rank 0 writing .metadata after every
+        # rank reported its files; the barrier makes "all ranks finished" explicit.
+        dist.barrier()
+    world = dist.get_world_size() if _distributed() else 1
+    _on_rank0(lambda: _commit(tmp, path, world), "save_sharded (renaming the checkpoint into place)")
+
+
+def _flatten(state: dict):
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict  # DCP's own key scheme
+
+    return flatten_state_dict(state)
+
+
+def _check_plain_tensors_agree(state: dict) -> None:
+    """DCP saves a plain tensor once, as if every rank held the same one; a
+    per-rank tensor (a LOCAL flat shard, an RNG state) would silently lose all
+    but one rank's copy. Compare digests across ranks and name the first."""
+    import hashlib
+
+    from .sharded_state import is_sharded
+
+    if not _distributed() or dist.get_world_size() == 1:
+        return
+    flat, _ = _flatten(state)
+    mine = {}
+    for k, v in flat.items():
+        if torch.is_tensor(v) and not is_sharded(v):
+            data = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            mine[k] = (tuple(v.shape), str(v.dtype), hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest())
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    for k in sorted(set().union(*everyone)):
+        seen = [(r, d[k]) for r, d in enumerate(everyone) if k in d]  # a key only one rank has is kept as it is
+        if any(v != seen[0][1] for _, v in seen):
+            ranks = [r for r, v in seen if v != seen[0][1]]
+            raise ValueError(f"zeroshard: save_sharded: '{k}' is a plain tensor that differs between ranks (rank "
+                             f"{seen[0][0]} vs rank(s) {ranks}); torch.distributed.checkpoint keeps one copy of a plain tensor, so the "
+                             "others would be lost (a LOCAL_STATE_DICT flat shard or optim.state_dict() is per rank). "
+                             "Fix: save SHARDED_STATE_DICT / FSDP.optim_state_dict under SHARDED_STATE_DICT (DTensor "
+                             "rows), or put per-rank values under per-rank keys.")
+
+
+def _bare(key: str) -> str:
+    """A flattened key without its top-level entry and wrapper prefixes, to suggest what was meant."""
+    return ".".join(p for p in key.split(".")[1:] if p not in ("module", "_fsdp_wrapped_module", "_orig_mod"))
+
+
+def _describe_problem(state: dict, path: str, strict: bool) -> str | None:
+    """The first way ``state`` cannot load from the checkpoint at ``path``, or None."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .sharded_state import is_sharded
+
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        interrupted = glob.glob(os.path.join(glob.escape(os.path.dirname(path)), glob.escape(f".{os.path.basename(path)}.") + "*.tmp"))
+        return (f"zeroshard: load_sharded: '{path}' holds no complete checkpoint (no .metadata file)"
+                + (f"; an interrupted save left {interrupted[0]}" if interrupted else "")
+                + ". Fix: pass the path given to save_sharded (or torch.distributed.checkpoint.save).")
+    saved = FileSystemReader(path).read_metadata()
+    try:
+        with open(os.path.join(path, SIDECAR)) as f:
+            saved_world = json.load(f).get("world_size")
+    except (OSError, ValueError):  # not saved by save_sharded: DCP's FileSystemWriter writes __{rank}_{i}.distcp per rank
+        saved_world = len({n.split("_")[2] for n in os.listdir(path) if n.startswith("__") and n.endswith(".distcp")}) or None
+    world = dist.get_world_size() if _distributed() else 1
+    at = f" (saved at world size {saved_world}, loading at {world})" if saved_world is not None else ""
+    flat, mapping = _flatten(state)
+    entries = saved.state_dict_metadata
+    for key, value in flat.items():
+        meta = entries.get(key)
+        is_tensor = torch.is_tensor(value) or is_sharded(value)
+        if meta is None:
+            near = [k for k in entries if _bare(k) == _bare(key)][:1]
+            return (f"zeroshard: load_sharded: the checkpoint '{path}' has no '{key}'{at}"
+                    + (f"; it has '{near[0]}'" if near else "")
+                    + ". Fix: load into a state dict with the keys it was saved with (same model, same top-level names).")
+        if is_tensor != isinstance(meta, TensorStorageMetadata):
+            return (f"zeroshard: load_sharded: '{key}' is {'a tensor' if is_tensor else 'not a tensor'} here but "
+                    f"{'a tensor' if not is_tensor else 'not a tensor'} in the checkpoint '{path}'.")
+        if not is_tensor:
+            continue
+        shape, saved_shape = tuple(value.size()), tuple(meta.size)
+        if shape != saved_shape:
+            per_rank = key.endswith("_flat_param") and not is_sharded(value)
+            return (f"zeroshard: load_sharded: '{key}' has shape {saved_shape} in the checkpoint but {shape} here{at}. "
+                    + ("A FlatParameter shard (LOCAL_STATE_DICT) is per rank: it only loads at the world size it was "
+                       "saved with. Fix: save SHARDED_STATE_DICT to change world size."
+                       if per_rank else "Fix: load into the same model configuration as was saved."))
+        if meta.properties.dtype != value.dtype:
+            return (f"zeroshard: load_sharded: '{key}' is {meta.properties.dtype} in the checkpoint but {value.dtype} "
+                    "here; DCP would convert it silently. Fix: load into a model / optimizer of the saved dtype.")
+    if strict:
+        tops = {mapping[k][0] for k in flat}
+        for key in entries:
+            if key not in flat and saved.planner_data.get(key, (key,))[0] in tops:
+                hint = (" An optimizer that has not stepped yet has no state to load into: call "
+                        "zeroshard.optim_state.init_optim_state(optim) before optim_state_dict()."
+                        if ".state." in key else "")
+                return (f"zeroshard: load_sharded: the checkpoint '{path}' has '{key}' but the state to load into does "
+                        f"not (strict=True).{hint} Fix: load into a state dict with the same keys, or pass strict=False.")
+    return None
+
+
+def load_sharded(state: dict, path: str | os.PathLike, strict: bool = True) -> None:
+    """``torch.distributed.checkpoint.load(state, path)`` (collective), after
+    checking ``state`` against the checkpoint: every key must be saved with
+    the same global shape and dtype and, with ``strict``, every saved key
+    under the top-level entries of ``state`` must be in ``state``. The first
+    problem found on any rank is raised on every rank."""
+    import torch.distributed.checkpoint as dcp
+
+    path = os.path.abspath(os.fspath(path))
+    _on_rank0(lambda: _recover(path), "load_sharded (recovering an interrupted save)")
+    problem = _describe_problem(state, path, strict)
+    if _distributed():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p is not None), None)
+    if problem is not None:
+        raise ValueError(problem)
+    dcp.load(state, checkpoint_id=path, no_dist=not _distributed())

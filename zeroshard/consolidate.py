@@ -7,7 +7,11 @@ holds each parameter as row chunks from every rank plus metadata giving each
 chunk's offsets. This tool reassembles the full tensors in one process, with
 no process group, so that a plain (non-FSDP) model loads the result with
 ``load_state_dict(..., strict=True)``: the offline counterpart of
-FULL_STATE_DICT. It needs memory for the whole state dict.
+FULL_STATE_DICT. It needs memory for the whole state dict. A checkpoint that
+also holds a SHARDED optimizer state dict (``{"model": ..., "optim": ...}``)
+gives, with ``--key optim``, torch FSDP1's FULL optimizer state dict (FQN
+keys, full-shape states), which ``FSDP.optim_state_dict_to_load`` loads at
+any world size.
 """
 from __future__ import annotations
 
@@ -29,7 +33,7 @@ def consolidate(ckpt_dir: str, out_path: str, key: str | None = None) -> dict:
     """
     if not os.path.isfile(os.path.join(ckpt_dir, ".metadata")):
         raise FileNotFoundError(f"zeroshard.consolidate: '{ckpt_dir}' is not a torch.distributed.checkpoint directory "
-                                "(no .metadata file). Fix: pass the checkpoint_id given to dcp.save.")
+                                "(no .metadata file). Fix: pass the path given to dcp.save / checkpoint.save_sharded.")
     tmp = out_path + ".full.tmp"
     # DCP's own offline loader: reads every chunk and places it at its offsets.
     dcp_to_torch_save(ckpt_dir, tmp)
@@ -49,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zeroshard.consolidate", description=__doc__.splitlines()[0])
     parser.add_argument("ckpt_dir", help="directory written by torch.distributed.checkpoint.save")
     parser.add_argument("out", help="output file (torch.save format)")
-    parser.add_argument("--key", default=None, help="keep only this top-level entry (e.g. model)")
+    parser.add_argument("--key", default=None, help="keep only this top-level entry (e.g. model, or optim for the FULL optimizer state dict)")
     args = parser.parse_args(argv)
     state = consolidate(args.ckpt_dir, args.out, args.key)
     tensors = [v for v in state.values() if torch.is_tensor(v)]

@@ -245,23 +245,21 @@ class FullyShardedDataParallel(nn.Module):
     def state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
         """Context manager selecting FULL / LOCAL / SHARDED state dicts for every unit in ``module``.
 
-        Optimizer state dicts are always FULL (see ``optim_state``): a
-        FullOptimStateDictConfig without rank0_only is accepted, others raise."""
-        cfg = optim_state_dict_config
-        if cfg is not None and (type(cfg).__name__ != "FullOptimStateDictConfig" or getattr(cfg, "rank0_only", False)):
-            raise ValueError(f"zeroshard: optim_state_dict_config={cfg!r} is not supported yet: optimizer state dicts are "
-                             "FULL on every rank. Fix: leave it None or pass FullOptimStateDictConfig(rank0_only=False).")
-        return sd.state_dict_type(module, state_dict_type, state_dict_config)
+        The state dict type also picks the optimizer state dict's form (FULL or
+        SHARDED, as in torch); ``optim_state_dict_config`` adds options
+        (``FullOptimStateDictConfig(rank0_only=True)``), see ``optim_state``."""
+        return sd.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
     @staticmethod
     def optim_state_dict(model, optim, optim_state_dict=None, group=None):
-        """torch FSDP1's FULL optimizer state dict: FQN keys, full state tensors (collective)."""
+        """torch FSDP1's optimizer state dict, FQN keys (collective): full tensors
+        (on rank 0 only with rank0_only), or DTensor rows under SHARDED_STATE_DICT."""
         return optim_state.optim_state_dict(model, optim, optim_state_dict, group)
 
     @staticmethod
     def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False, load_directly=False, group=None):
-        """A FULL optimizer state dict cut to this rank's shards, for ``optim.load_state_dict``
-        (or loaded into ``optim`` directly with ``load_directly=True``)."""
+        """An optimizer state dict (full, rank 0's with rank0_only, or sharded rows) cut to this
+        rank's shards, for ``optim.load_state_dict`` (or loaded directly with ``load_directly=True``)."""
         if is_named_optimizer:
             raise ValueError("zeroshard: is_named_optimizer=True is not supported. Fix: use a torch.optim optimizer.")
         out = optim_state.optim_state_dict_to_load(model, optim, optim_state_dict, group)
@@ -271,14 +269,14 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def full_optim_state_dict(model, optim, optim_input=None, rank0_only=True, group=None):
-        """torch's older name; zeroshard returns the full dict on every rank (rank0_only ignored)."""
+        """torch's older API: the FULL optimizer state dict, on rank 0 only by default (others get {})."""
         if optim_input is not None:
             raise ValueError("zeroshard: optim_input is not supported (deprecated in torch too). Fix: leave it None.")
-        return FullyShardedDataParallel.optim_state_dict(model, optim, group=group)
+        return optim_state.full_optim_state_dict(model, optim, rank0_only, group)
 
     @staticmethod
-    def set_state_dict_type(module, state_dict_type, state_dict_config=None):
-        sd.set_state_dict_type(module, state_dict_type, state_dict_config)
+    def set_state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
+        sd.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:

@@ -9,25 +9,83 @@ shard holds no element of it). A checkpoint must not depend on that layout, so
 
 * :func:`optim_state_dict` all-gathers each unit's per-element states (one
   all-gather per unit and state name, the same shard layout as the parameters)
-  and returns torch FSDP1's FULL format: ``state`` keyed by the plain model's
-  parameter FQNs with full-shape tensors (``exp_avg``...) and scalars
-  (``step``), and ``param_groups`` whose ``params`` are FQN lists;
-* :func:`optim_state_dict_to_load` cuts a FULL optimizer state dict back into
-  what ``optim.load_state_dict`` expects on this rank: the flattened and
-  sharded concatenation of the per-parameter states (zeros in the padding)
-  for a FlatParameter, or the 1-D slice for each original parameter.
+  and returns torch FSDP1's format: ``state`` keyed by the plain model's
+  parameter FQNs, and ``param_groups`` whose ``params`` are FQN lists. The
+  model's state dict type picks the form, as in torch:
+
+  - FULL_STATE_DICT (default): full-shape tensors (``exp_avg``...) on every
+    rank, or only on rank 0 with ``FullOptimStateDictConfig(rank0_only=True)``
+    (other ranks get ``{}``);
+  - SHARDED_STATE_DICT: each full-shape state cut into this rank's rows, a
+    DTensor (see ``sharded_state``), for ``torch.distributed.checkpoint`` to
+    save and to reshard at another world size. Scalars (``step``) stay plain.
+    torch FSDP1 returns ShardedTensors here on CPU (DTensors when given a
+    device mesh); the chunks, keys and so the DCP checkpoints are the same.
+
+* :func:`optim_state_dict_to_load` cuts such a dict back into what
+  ``optim.load_state_dict`` expects on this rank: the flattened and sharded
+  concatenation of the per-parameter states (zeros in the padding) for a
+  FlatParameter, or the 1-D slice for each original parameter. Full states
+  come from the dict itself, from rank 0 (``rank0_only``: broadcast one state
+  at a time) or from their rows (DTensor or torch's ShardedTensor: all-gathered
+  one parameter at a time), so no rank ever holds more than one parameter's
+  full states beyond what it was given.
 
 As in torch, a state counts as per-element when it is a tensor with at least
 one dimension; zero-dimensional tensors and non-tensors are scalars (``step``).
+A freshly built optimizer has no state for DCP to load into:
+:func:`init_optim_state` creates it (as ``torch.distributed.checkpoint``'s
+``get_optimizer_state_dict`` does).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
+from .options import StateDictType
+from .sharded_state import device_mesh, from_row_shard, to_row_shard
 from .state_dict import clean_key, units_of
+
+
+@dataclass
+class OptimStateDictConfig:
+    """``offload_to_cpu``: accepted for torch's signature; FULL states are always returned on CPU."""
+
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    """``rank0_only``: only rank 0 gets the full dict (others ``{}``); loading
+    then takes the dict from rank 0 only."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """States as DTensors of this rank's rows (see ``sharded_state``)."""
+
+
+def _settings(model: nn.Module) -> tuple[bool, bool]:
+    """(sharded, rank0_only) from what ``state_dict_type`` set on the model's
+    units. As in torch, the state dict type decides the form and the optim
+    config only adds options (so torch's config classes work here too)."""
+    units = units_of(model)
+    if not units:
+        raise ValueError("zeroshard: the model has no FullyShardedDataParallel unit. Fix: pass the wrapped model.")
+    kind = units[0]._state_dict_type
+    cfg = units[0].__dict__.get("_optim_state_dict_config")
+    sharded = kind == StateDictType.SHARDED_STATE_DICT
+    return sharded, not sharded and bool(getattr(cfg, "rank0_only", False))
+
+
+def _is_rank0(group) -> bool:
+    return not dist.is_initialized() or dist.get_rank(group) == 0
 
 
 def _unit_prefixes(model: nn.Module):
@@ -83,8 +141,11 @@ def _local_spec(states: list[dict | None]) -> dict:
     return spec
 
 
-def _gather_unit(h, prefix: str, optim) -> dict[str, dict]:
-    """Full (unsharded) states of one unit's parameters, keyed by FQN."""
+def _gather_unit(h, prefix: str, optim, finish) -> dict[str, dict]:
+    """Full (unsharded) states of one unit's parameters, keyed by FQN; each
+    per-element state passes through ``finish`` (a CPU copy, or this rank's
+    rows for SHARDED). ``finish=None``: take part in the collectives only
+    (rank0_only on ranks other than 0) and return {}."""
     n = len(h.layout.params)
     if h.use_orig_params:
         states = [optim.state.get(p) or None for p in h.orig_params]
@@ -108,12 +169,16 @@ def _gather_unit(h, prefix: str, optim) -> dict[str, dict]:
     device = h.local_shard.device
     for name, dtype in elem_names:
         full = _full_flat(h, states, name, dtype, device, flat=not h.use_orig_params)
+        if finish is None:
+            continue
         for i, info in enumerate(h.layout.params):
             if name in merged.get(i, {}):
                 # A copy, not a view of the gathered buffer: each state must
                 # own its memory (torch FSDP1 on CPU returns views of one
                 # buffer it reuses for every state name, see the tests).
-                out[prefix + info.fqn][name] = full[info.offset : info.offset + info.numel].view(info.shape).to("cpu", copy=True)
+                out[prefix + info.fqn][name] = finish(full[info.offset : info.offset + info.numel].view(info.shape))
+    if finish is None:
+        return {}
     for i, names in merged.items():
         for k, (kind, v) in names.items():
             if kind == "scalar":
@@ -145,24 +210,43 @@ def _full_flat(h, states, name, dtype, device, flat: bool) -> torch.Tensor:
 
 
 def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict | None = None, group=None) -> dict:
-    """torch FSDP1's FULL optimizer state dict of ``optim`` (collective: call on every rank).
+    """torch FSDP1's optimizer state dict of ``optim`` (collective: call on every rank).
 
-    ``optim_state_dict`` (default ``optim.state_dict()``) only supplies the
-    ``param_groups`` hyperparameters; states are read from ``optim`` itself.
-    ``group`` is accepted for torch's signature: each unit gathers over its own
-    process group.
+    FULL, FULL on rank 0 only, or SHARDED, as ``state_dict_type`` set on the
+    model (see the module docstring). ``optim_state_dict`` (default
+    ``optim.state_dict()``) only supplies the ``param_groups``
+    hyperparameters; states are read from ``optim`` itself. ``group``: the
+    ranks among which "rank 0" is meant (default: all); each unit gathers
+    over its own process group.
     """
-    osd = optim_state_dict if optim_state_dict is not None else optim.state_dict()
+    sharded, rank0_only = _settings(model)
+    return _optim_state_dict(model, optim, optim_state_dict, group, rank0_only, sharded)
+
+
+def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = True, group=None) -> dict:
+    """torch's older API: the FULL optimizer state dict whatever the state dict
+    type, by default on rank 0 only (``{}`` on the other ranks), as in torch."""
+    return _optim_state_dict(model, optim, None, group, rank0_only, sharded=False)
+
+
+def _optim_state_dict(model, optim, osd, group, rank0_only: bool, sharded: bool) -> dict:
+    osd = osd if osd is not None else optim.state_dict()
     index = _param_index(model)
     params = _optim_params(optim)
+    keep = not rank0_only or _is_rank0(group)
+    if sharded:
+        mesh = device_mesh(units_of(model)[0])
+        finish = lambda t: to_row_shard(t, mesh)  # noqa: E731
+    else:
+        finish = (lambda t: t.to("cpu", copy=True)) if keep else None  # noqa: E731
     state: dict[str, dict] = {}
-    gathered = set()
     # Every rank walks the units in the same order, so the collectives match.
     for h, prefix in _unit_prefixes(model):
         in_optim = [p for p in ([h.flat_param] if not h.use_orig_params else h.orig_params) if any(p is q for q in params)]
         if in_optim:
-            state.update(_gather_unit(h, prefix, optim))
-            gathered.add(id(h))
+            state.update(_gather_unit(h, prefix, optim, finish))
+    if not keep:
+        return {}
     for p in params:
         kind, h, _, fqn = index.get(id(p), ("plain", None, None, None))
         if kind == "plain" and p in optim.state:
@@ -182,12 +266,89 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
     return {"state": state, "param_groups": groups}
 
 
-def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, group=None) -> dict:
-    """Turn a FULL optimizer state dict into ``optim.load_state_dict``'s input for this rank.
+class _FullStates:
+    """The full states of a FULL or SHARDED optimizer state dict, one FQN at a
+    time: rows (DTensor / ShardedTensor) are all-gathered on demand. Every
+    rank must ask for the same FQNs in the same order (the collectives match)."""
 
-    Local: no communication, since every rank holds the full states.
+    def __init__(self, osd: dict):
+        if "state" not in osd or "param_groups" not in osd:
+            raise ValueError("zeroshard: optim_state_dict_to_load got a dict without 'state' and 'param_groups'. Fix: pass "
+                             "what optim_state_dict returned; if only rank 0 has it, load under state_dict_type(..., "
+                             "FullOptimStateDictConfig(rank0_only=True)).")
+        self.state, self.param_groups = osd["state"], osd["param_groups"]
+
+    def get(self, fqn: str) -> dict | None:
+        st = self.state.get(fqn)
+        if st is None:
+            return None
+        full = {k: from_row_shard(st[k]) for k in sorted(st)}  # sorted: the same order on every rank
+        return {k: full[k] for k in st}
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple
+    dtype: torch.dtype
+
+
+class _Rank0States:
+    """rank0_only: only rank 0 holds the dict. Its layout (scalars and
+    param_groups included) is broadcast once; each per-element state is
+    broadcast when asked for, so other ranks hold one parameter's at a time."""
+
+    def __init__(self, osd: dict | None, group, device: torch.device):
+        self.group, self.device = group, device
+        self.src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.rank0 = _is_rank0(group)
+        layout = None
+        if self.rank0:
+            if not osd or "state" not in osd or "param_groups" not in osd:
+                layout = "zeroshard: optim_state_dict_to_load with rank0_only=True needs the full optimizer state " \
+                         "dict on rank 0. Fix: pass there the dict that optim_state_dict returned on rank 0 (other ranks may pass {})."
+            else:
+                specs = {fqn: {k: _TensorSpec(tuple(v.shape), v.dtype) if _is_elem(v) else v for k, v in st.items()}
+                         for fqn, st in osd["state"].items()}
+                layout = {"state": specs, "param_groups": osd["param_groups"]}
+        box = [layout]
+        dist.broadcast_object_list(box, src=self.src, group=group)
+        if isinstance(box[0], str):  # raised on every rank, not only on rank 0 (the others would wait forever)
+            raise ValueError(box[0])
+        self.specs, self.param_groups = box[0]["state"], box[0]["param_groups"]
+        self.full = osd["state"] if self.rank0 else None
+
+    def get(self, fqn: str) -> dict | None:
+        spec = self.specs.get(fqn)
+        if spec is None:
+            return None
+        out = {}
+        for k in sorted(spec):
+            v = spec[k]
+            if isinstance(v, _TensorSpec):
+                if self.rank0:
+                    t = self.full[fqn][k].to(self.device).contiguous()
+                else:
+                    t = torch.empty(v.shape, dtype=v.dtype, device=self.device)
+                dist.broadcast(t, src=self.src, group=self.group)
+                v = t
+            out[k] = v
+        return {k: out[k] for k in spec}
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, group=None) -> dict:
+    """Turn an optimizer state dict from :func:`optim_state_dict` (FULL, or
+    SHARDED rows: zeroshard's DTensors or torch FSDP1's ShardedTensors) into
+    ``optim.load_state_dict``'s input for this rank.
+
+    A FULL dict needs no communication; rows are all-gathered; with
+    ``FullOptimStateDictConfig(rank0_only=True)`` set by ``state_dict_type``
+    only rank 0's dict is read (other ranks may pass ``{}``) and broadcast.
     """
-    full = optim_state_dict["state"]
+    _, rank0_only = _settings(model)
+    if rank0_only:
+        source = _Rank0States(optim_state_dict, group, units_of(model)[0].compute_device)
+    else:
+        source = _FullStates(optim_state_dict)
     index = _param_index(model)
     params = _optim_params(optim)
     state, fqn_groups = {}, []
@@ -198,15 +359,16 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
                              "Fix: pass the model whose parameters the optimizer was built from.")
         fqn_groups.append(names if kind == "flat" else [names])
         if kind == "flat":
-            st = _flatten_shard(h, names, full)
+            st = _flatten_shard(h, names, {f: v for f in names if (v := source.get(f)) is not None})
         elif kind == "orig":
-            st = _orig_shard(h, i, full.get(names))
+            st = _orig_shard(h, i, source.get(names))
         else:
-            st = {k: v.clone() if torch.is_tensor(v) else v for k, v in full[names].items()} if names in full else None
+            full = source.get(names)
+            st = {k: v.clone() if torch.is_tensor(v) else v for k, v in full.items()} if full is not None else None
         if st:
             state[pid] = st
     groups, pos = [], 0
-    saved_groups = optim_state_dict["param_groups"]
+    saved_groups = source.param_groups
     if len(saved_groups) != len(optim.param_groups):
         raise ValueError(f"zeroshard: the optimizer state dict has {len(saved_groups)} param groups but the optimizer has "
                          f"{len(optim.param_groups)}. Fix: build the optimizer with the same param groups as when saving.")
@@ -222,6 +384,30 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
                              "saved from the same model and param groups.")
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     return {"state": state, "param_groups": groups}
+
+
+def init_optim_state(optim: torch.optim.Optimizer) -> None:
+    """Create the state of an optimizer that has not stepped yet, so that a
+    SHARDED optimizer state dict has tensors for DCP to load into: one step
+    with zero gradients at learning rate 0 (parameters stay bit-identical for
+    AdamW, Adam and SGD). No-op once the optimizer has state or any gradient.
+    Parameters with no element on this rank get no gradient, as in training.
+    """
+    params = _optim_params(optim)
+    if optim.state or any(p.grad is not None for p in params):
+        return
+    for p in params:
+        if p.requires_grad and p.numel() > 0:
+            p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optim.param_groups]
+    for g in optim.param_groups:
+        g["lr"] = torch.tensor(0.0) if torch.is_tensor(g["lr"]) else 0.0
+    try:
+        optim.step()
+    finally:
+        for g, lr in zip(optim.param_groups, lrs):
+            g["lr"] = lr
+        optim.zero_grad(set_to_none=True)
 
 
 def _flatten_shard(h, fqns: list[str], full: dict) -> dict | None:

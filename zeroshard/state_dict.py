@@ -11,9 +11,9 @@
   and writes it back into the shards.
 * LOCAL_STATE_DICT: each rank's flat shards as they are (``..._flat_param``
   keys), for restarting at the same world size; loading checks the shard sizes.
-* SHARDED_STATE_DICT: the plain model's keys, each parameter a DTensor
-  (``Shard(0)`` over a 1-D mesh of the process group): rank r holds rows
-  ``[r*ceil(d0/N), (r+1)*ceil(d0/N))`` (torch.chunk). Saved with
+* SHARDED_STATE_DICT: the plain model's keys, each parameter a DTensor of
+  this rank's rows (see ``sharded_state``: ``Shard(0)`` over the process
+  group, replicated across replica groups under hybrid sharding). Saved with
   ``torch.distributed.checkpoint``, which records every chunk's offsets, so a
   checkpoint loads at any world size. Trade-off: the rows are cut from the
   gathered full parameters (and loading all-gathers the rows back into full
@@ -30,9 +30,10 @@ import warnings
 import torch
 import torch.nn as nn
 
-from . import comm, ext
+from . import ext
 from .handle import HandleState
 from .options import FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig, StateDictType
+from .sharded_state import device_mesh, from_row_shard, to_row_shard
 
 WRAPPED_PREFIX = "_fsdp_wrapped_module."
 FLAT_PARAM = "_flat_param"
@@ -146,58 +147,6 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
         return out, {clean_key(k) for k, v in raw.items() if isinstance(v, nn.Parameter)}
 
 
-# ------------------------------------------------ row-sharded DTensors (SHARDED)
-def device_mesh(root):
-    """The 1-D DeviceMesh over ``root``'s process group (made once, then cached)."""
-    mesh = root.__dict__.get("_zeroshard_mesh")
-    if mesh is None:
-        if root._replicate_group is not None:
-            raise ValueError("zeroshard: SHARDED_STATE_DICT with hybrid sharding is not supported yet. "
-                             "Fix: use FULL_STATE_DICT (or LOCAL_STATE_DICT) with HYBRID_SHARD.")
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = DeviceMesh.from_group(root.process_group, root.compute_device.type)
-        root.__dict__["_zeroshard_mesh"] = mesh
-    return mesh
-
-
-def to_row_shard(full: torch.Tensor, mesh) -> "DTensor":  # noqa: F821
-    """This rank's rows of ``full`` as a DTensor (``Shard(0)``, torch.chunk
-    sizes: trailing ranks may hold no rows); 0-dim tensors are replicated."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard  # heavy: only for SHARDED
-
-    if full.dim() == 0:
-        return DTensor.from_local(full.detach().clone(), mesh, [Replicate()], run_check=False)
-    d0, n, r = full.shape[0], mesh.size(), mesh.get_local_rank()
-    rows = -(-d0 // n)
-    local = full.detach()[min(r * rows, d0) : min((r + 1) * rows, d0)].clone()
-    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
-
-
-def from_row_shard(value):
-    """The full tensor of a ``Shard(0)`` DTensor: every rank's rows, zero-padded
-    to equal size, all-gathered (collective over the DTensor's mesh); other
-    values are returned as they are."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard  # heavy: only for SHARDED
-
-    if not isinstance(value, DTensor):
-        return value
-    local = value.to_local()
-    if all(isinstance(p, Replicate) for p in value.placements):
-        return local
-    if len(value.placements) != 1 or value.placements[0] != Shard(0):
-        raise ValueError(f"zeroshard: cannot load a DTensor with placements {value.placements}; expected (Shard(0),) "
-                         "as zeroshard's SHARDED_STATE_DICT writes. Fix: load the state dict zeroshard's state_dict() returns.")
-    group = value.device_mesh.get_group()
-    n, shape = group.size(), value.shape
-    rows = -(-shape[0] // n)
-    padded = local.new_zeros((rows, *shape[1:]))
-    padded[: local.shape[0]].copy_(local)
-    out = local.new_empty((rows * n, *shape[1:]))
-    comm.all_gather(out, padded, group, async_op=False)
-    return out[: shape[0]]
-
-
 def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     kind, config = root._state_dict_type, root._state_dict_config
     if kind == StateDictType.FULL_STATE_DICT:
@@ -291,22 +240,29 @@ def load(root, state_dict, strict: bool = True):
 
 
 @contextlib.contextmanager
-def state_dict_type(module, kind: StateDictType, config=None):
-    previous = set_state_dict_type(module, kind, config)
+def state_dict_type(module, kind: StateDictType, config=None, optim_config=None):
+    """Inside, every unit of ``module`` uses ``kind`` for state dicts and
+    ``optim_config`` (see ``optim_state``) for optimizer state dicts."""
+    previous = set_state_dict_type(module, kind, config, optim_config)
     try:
         yield
     finally:
-        for u, (k, c) in previous.items():
-            u._state_dict_type, u._state_dict_config = k, c
+        for u, (k, c, oc) in previous.items():
+            u._state_dict_type, u._state_dict_config, u.__dict__["_optim_state_dict_config"] = k, c, oc
 
 
-def set_state_dict_type(module, kind: StateDictType, config=None):
+def set_state_dict_type(module, kind: StateDictType, config=None, optim_config=None):
+    """Set every unit's state dict type and configs; returns the previous ones.
+
+    ``optim_config`` None means the default for ``kind`` (resolved by
+    ``optim_state``: full on every rank, or sharded under SHARDED_STATE_DICT)."""
     default = {StateDictType.FULL_STATE_DICT: FullStateDictConfig, StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig,
                StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig}
     if config is None and kind in default:
         config = default[kind]()
     previous = {}
     for u in units_of(module):
-        previous[u] = (u._state_dict_type, u._state_dict_config)
+        previous[u] = (u._state_dict_type, u._state_dict_config, u.__dict__.get("_optim_state_dict_config"))
         u._state_dict_type, u._state_dict_config = kind, config
+        u.__dict__["_optim_state_dict_config"] = optim_config
     return previous

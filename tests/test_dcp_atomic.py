@@ -1,0 +1,265 @@
+"""Atomic sharded (DCP) checkpoint directories: ranks SIGKILLed at random
+moments of save_sharded leave the previous or the new complete checkpoint,
+never a mix; load_sharded names the first key / shape / dtype / world-size
+problem on every rank; save_sharded refuses per-rank plain tensors (DCP would
+keep one rank's) and directories that are not checkpoints."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed.checkpoint  # noqa: F401 - imported once here, not in every forked rank
+
+import zeroshard as zs
+from models import Block, build
+from zeroshard import checkpoint
+from zeroshard.testing import free_port
+
+ROWS, COLS, TENSORS = 750, 1000, 3  # 3 MB per tensor and rank: 18 MB per checkpoint on 2 ranks
+
+
+def _version_state(v: int, rank: int) -> dict:
+    """Checkpoint number ``v``: every value derives from ``v``, so a directory
+    mixing two versions (or missing a rank's file) cannot pass for either.
+    Each rank saves its own keys (no DTensors: their first use costs a second
+    per fresh process, and this test is about the directory, not the format)."""
+    return {"model": {f"r{rank}.t{k}": torch.full((ROWS, COLS), v + k / 8) for k in range(TENSORS)}, "step": torch.tensor(v)}
+
+
+def _read_version(path) -> int:
+    """Load the checkpoint in this process (no process group) and check it is one complete version."""
+    state = {"model": {f"r{r}.t{k}": torch.zeros(ROWS, COLS) for r in range(2) for k in range(TENSORS)}, "step": torch.tensor(0)}
+    checkpoint.load_sharded(state, path)
+    v = int(state["step"])
+    for key, t in state["model"].items():
+        assert torch.equal(t, torch.full((ROWS, COLS), v + int(key[-1]) / 8)), f"{key} is not version {v}"
+    return v
+
+
+def _rank_saving_forever(rank: int, port: int, path: str, base: int, exchange: bool, pipe: int) -> None:
+    """A forked rank: saves versions base, base+1, ... until killed; writes
+    b"r" when its process group is up and b"s" after each save returned."""
+    import torch.distributed as dist
+
+    code = 1
+    try:
+        torch.set_num_threads(1)  # forked from pytest: stay out of the parent's OpenMP pool
+        checkpoint._USE_EXCHANGE = exchange
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=timedelta(seconds=10))
+        os.write(pipe, b"r")
+        for v in range(base, base + 10_000):
+            checkpoint.save_sharded(_version_state(v, rank), path)
+            os.write(pipe, b"s")
+    except BaseException:  # noqa: BLE001 - the peer was killed: expected
+        pass
+    finally:
+        os._exit(code)
+
+
+def _fork_rank(rank, port, path, base, exchange):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # never returns into pytest
+        os.close(r)
+        _rank_saving_forever(rank, port, path, base, exchange, w)
+    os.close(w)
+    return pid, r
+
+
+def _read_all(fd) -> bytes:
+    out = b""
+    os.set_blocking(fd, False)
+    while True:
+        try:
+            chunk = os.read(fd, 4096)
+        except BlockingIOError:
+            break
+        if not chunk:
+            break
+        out += chunk
+    return out
+
+
+def test_sharded_save_killed_at_random_moments_keeps_a_complete_checkpoint(tmp_path):
+    """16 rounds: two forked ranks save versions in a loop; at a random
+    moment one rank is SIGKILLed, then the other. The directory must then
+    hold one complete version: the last one before the round, or one saved
+    in it, and never older than a save rank 0 saw return (rank 0 renames).
+    Half the rounds swap with renameat2(RENAME_EXCHANGE), half with the
+    two-rename fallback (a kill between the renames is rolled back on load)."""
+    path = str(tmp_path / "ckpt")
+    rng = random.Random(7)
+    last, save_s = None, None
+    outcomes = {"old": 0, "new": 0, "interrupted_tmp": 0, "rolled_back": 0}
+    for round_ in range(16):
+        exchange = round_ % 4 < 2
+        base = 1000 * (round_ + 1)
+        port = free_port()
+        procs = [_fork_rank(r, port, path, base, exchange) for r in range(2)]
+        for _, fd in procs:
+            assert os.read(fd, 1) == b"r"
+        if save_s is None:  # calibrate: how long one (warm) save takes here
+            assert os.read(procs[0][1], 1) == b"s"
+            t = time.perf_counter()
+            assert os.read(procs[0][1], 1) == b"s"
+            save_s = time.perf_counter() - t
+            delay = 0.0
+        else:
+            # Half the kills land in a round's first save (the old checkpoint must
+            # survive), the others anywhere in the saves that follow.
+            delay = rng.uniform(0, save_s if round_ % 2 else 3 * save_s)
+        time.sleep(delay)
+        victim = rng.randrange(2)
+        os.kill(procs[victim][0], signal.SIGKILL)
+        time.sleep(rng.uniform(0, 0.05))  # the survivor may get further (e.g. finish a rename) or fail
+        os.kill(procs[1 - victim][0], signal.SIGKILL)
+        for pid, _ in procs:
+            os.waitpid(pid, 0)
+        saves_seen = _read_all(procs[0][1]).count(b"s") + 2 * (round_ == 0)
+        for _, fd in procs:
+            os.close(fd)
+        names = sorted(os.listdir(tmp_path))
+        outcomes["interrupted_tmp"] += any(n.endswith(".tmp") for n in names)
+        if exchange:  # the swap is atomic: the path itself always holds a complete checkpoint
+            assert "ckpt" in names and ".ckpt.old" not in names, names
+        else:
+            outcomes["rolled_back"] += "ckpt" not in names
+        assert set(names) <= {"ckpt", ".ckpt.old"} | {n for n in names if n.startswith(".ckpt.") and n.endswith(".tmp")}, names
+        if last is None and "ckpt" not in names and ".ckpt.old" not in names:
+            assert saves_seen == 0
+            continue  # killed before the very first save completed: nothing to check yet
+        v = _read_version(path)
+        if saves_seen:
+            assert base + saves_seen - 1 <= v <= base + saves_seen, (v, base, saves_seen)  # nothing returned was lost
+        else:
+            assert v == last or v == base, (v, last, base)  # the old one, or the first save of this round
+        outcomes["new" if v != last else "old"] += 1
+        last = v
+    # The kills landed before and after renames, and really inside saves.
+    assert outcomes["old"] >= 1 and outcomes["new"] >= 1 and outcomes["interrupted_tmp"] >= 1, outcomes
+    # The next save clears what killed saves left behind.
+    both_ranks = {"model": {**_version_state(1, 0)["model"], **_version_state(1, 1)["model"]}, "step": torch.tensor(1)}
+    checkpoint.save_sharded(both_ranks, path)  # one process now
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert _read_version(path) == 1
+
+
+def test_fallback_swap_killed_between_renames_is_rolled_back(tmp_path):
+    """The state a kill between the two fallback renames leaves (old aside,
+    nothing at path) loads as the old checkpoint; after the second rename
+    (new at path, old still aside) it loads as the new one."""
+    path = str(tmp_path / "ckpt")
+    one = {"model": {"w": torch.arange(6.0).view(2, 3)}, "step": torch.tensor(1)}
+    checkpoint.save_sharded(one, path)
+    os.rename(path, str(tmp_path / ".ckpt.old"))
+    got = {"model": {"w": torch.zeros(2, 3)}, "step": torch.tensor(0)}
+    checkpoint.load_sharded(got, path)
+    assert int(got["step"]) == 1 and torch.equal(got["model"]["w"], one["model"]["w"])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    checkpoint.save_sharded(one, str(tmp_path / ".ckpt.old"))  # a stale aside copy next to a newer checkpoint
+    checkpoint._USE_EXCHANGE = False
+    try:
+        checkpoint.save_sharded({"model": {"w": torch.ones(2, 3)}, "step": torch.tensor(2)}, path)
+    finally:
+        checkpoint._USE_EXCHANGE = True
+    checkpoint.load_sharded(got, path)
+    assert int(got["step"]) == 2 and sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_save_sharded_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tmp_path):
+    (tmp_path / "notes.txt").write_text("precious")
+    with pytest.raises(FileExistsError, match="not a checkpoint directory"):
+        checkpoint.save_sharded({"w": torch.ones(2)}, str(tmp_path))
+    assert (tmp_path / "notes.txt").read_text() == "precious"
+
+
+# ------------------------------------------------------------ load_sharded errors
+def _mlp():
+    torch.manual_seed(0)
+    model = zs.FSDP(build("mlp"), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _state_of(model, opt):
+    from zeroshard.optim_state import ShardedOptimStateDictConfig
+
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.SHARDED_STATE_DICT, None, ShardedOptimStateDictConfig()):
+        return {"model": model.state_dict(), "optim": zs.FSDP.optim_state_dict(model, opt)}
+
+
+def _local_state(model):
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.LOCAL_STATE_DICT):
+        return {"model": model.state_dict()}  # per-rank flat shards
+
+
+def _save_for_errors(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _mlp()
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    checkpoint.save_sharded(_state_of(model, opt), path)
+    try:
+        checkpoint.save_sharded(_local_state(model), path + "_local")
+    except ValueError as e:
+        refused = str(e), os.path.exists(path + "_local")
+    # What plain DCP does with it: keeps one copy of each "_flat_param", silently.
+    dcp.save(_local_state(model), checkpoint_id=path + "_raw_local")
+    return refused
+
+
+def _load_with_problems(rank, world_size, path):
+    """Each case breaks the state to load into in one way; every rank must
+    raise the same message (the first problem found on any rank)."""
+    from zeroshard.sharded_state import device_mesh, to_row_shard
+
+    model, opt = _mlp()  # its optimizer has not stepped: no state yet
+    mesh = device_mesh(model)
+    cases = {
+        "fresh optimizer": lambda: _state_of(model, opt),
+        "missing key": lambda: {"model": {**_state_of(model, opt)["model"], "blocks.9.l1.weight": torch.zeros(1)}},
+        "prefixed": lambda: {"model": {"module." + k: v for k, v in _state_of(model, opt)["model"].items()}},
+        "shape": lambda: {"model": {**_state_of(model, opt)["model"], "out.bias": to_row_shard(torch.zeros(4), mesh)}},
+        "dtype": lambda: {"model": {**_state_of(model, opt)["model"], "scale": torch.zeros(3, dtype=torch.float64)}},
+        # only the last rank's state is wrong here
+        "one rank": lambda: {"model": {**_state_of(model, opt)["model"], "scale": torch.zeros(3 + (rank == world_size - 1))}},
+        "per-rank shards": lambda: _local_state(model),
+    }
+    messages = {}
+    for name, make in cases.items():
+        try:
+            checkpoint.load_sharded(make(), path + ("_raw_local" if name == "per-rank shards" else ""))
+        except ValueError as e:
+            messages[name] = str(e)
+    return messages
+
+
+def test_load_sharded_names_the_first_problem_on_every_rank(ranks, tmp_path):
+    path = str(tmp_path / "ckpt")
+    for msg, wrote in ranks.run(2, _save_for_errors, path):
+        assert "'model._fsdp_wrapped_module._flat_param' is a plain tensor that differs between ranks" in msg, msg
+        assert "Fix:" in msg and not wrote
+    per_rank = ranks.run(3, _load_with_problems, path)
+    assert all(m == per_rank[0] for m in per_rank)  # the same errors everywhere
+    m = per_rank[0]
+    assert len(m) == 7, m
+    assert "has 'optim.state." in m["fresh optimizer"] and "init_optim_state" in m["fresh optimizer"]
+    assert "has no 'model.blocks.9.l1.weight' (saved at world size 2, loading at 3)" in m["missing key"]
+    assert "has no 'model.module.scale'" in m["prefixed"] and "it has 'model.scale'" in m["prefixed"]
+    assert "'model.out.bias' has shape (3,) in the checkpoint but (4,) here" in m["shape"]
+    assert "'model.scale' is torch.float32 in the checkpoint but torch.float64 here" in m["dtype"]
+    assert "'model.scale' has shape (3,) in the checkpoint but (4,) here" in m["one rank"]
+    assert "_flat_param' has shape" in m["per-rank shards"] and "saved at world size 2, loading at 3" in m["per-rank shards"]
+    assert "only loads at the world size it was saved with" in m["per-rank shards"]
+
+
+def test_load_sharded_of_a_path_without_a_checkpoint(tmp_path):
+    os.mkdir(tmp_path / ".ckpt.123.tmp")  # what a save killed before its rename leaves
+    with pytest.raises(ValueError, match=r"holds no complete checkpoint \(no .metadata file\); an interrupted save left"):
+        checkpoint.load_sharded({"w": torch.zeros(2)}, str(tmp_path / "ckpt"))

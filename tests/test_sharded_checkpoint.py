@@ -1,0 +1,259 @@
+"""SHARDED checkpoints of model *and* optimizer through torch.distributed.checkpoint:
+the sharded optimizer state dict holds DTensor rows of the FULL one; resuming
+from it is bit-exact; it reshards (4->2, 2->3, 3->1) with parameters and AdamW
+exp_avg / exp_avg_sq / step equal to the saved ones; torch FSDP1's sharded
+checkpoints and in-memory dicts cross both ways; hybrid sharding saves each
+row once and loads into FULL_SHARD and back."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed.fsdp as tfsdp
+
+import zeroshard as zs
+from models import batch, build
+from parity import DEFAULTS, _wrap
+from zeroshard import checkpoint, optim_state
+from zeroshard.optim_state import ShardedOptimStateDictConfig
+
+SHARDED = zs.StateDictType.SHARDED_STATE_DICT
+
+
+def _models(model_name, use_orig_params, strategy="FULL_SHARD", hybrid=None, engines=("zeroshard",), seed=0):
+    case = {**DEFAULTS, "model": model_name, "use_orig_params": use_orig_params, "strategy": strategy, "hybrid": hybrid}
+    base = build(model_name, seed=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        models = [_wrap(e, copy.deepcopy(base), case) for e in engines]
+    return models, [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+
+
+def _step(model, opt, model_name, rank, step):
+    model(batch(model_name, rank, step)).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _save(model, opt, path):
+    with zs.FSDP.state_dict_type(model, SHARDED, zs.ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+        checkpoint.save_sharded({"model": model.state_dict(), "optim": zs.FSDP.optim_state_dict(model, opt)}, path)
+
+
+def _load(model, opt, path):
+    before = [p.detach().clone() for p in model.parameters()]
+    optim_state.init_optim_state(opt)  # a fresh optimizer has no state for DCP to load into
+    assert opt.state and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))  # lr 0: nothing moved
+    with zs.FSDP.state_dict_type(model, SHARDED, zs.ShardedStateDictConfig(), ShardedOptimStateDictConfig()):
+        state = {"model": model.state_dict(), "optim": zs.FSDP.optim_state_dict(model, opt)}
+        checkpoint.load_sharded(state, path)
+        model.load_state_dict(state["model"])
+        zs.FSDP.optim_state_dict_to_load(model, opt, state["optim"], load_directly=True)
+
+
+def _full(model, opt):
+    """FULL model and optimizer state dicts (on every rank)."""
+    return model.state_dict(), zs.FSDP.optim_state_dict(model, opt)
+
+
+def _assert_same(a, b, where):
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    else:
+        assert a == b, where
+
+
+def _assert_full_equal(ref, got):
+    (sd_ref, osd_ref), (sd_got, osd_got) = ref, got
+    assert list(sd_ref) == list(sd_got)
+    for k in sd_ref:
+        _assert_same(sd_ref[k], sd_got[k], k)
+    assert set(osd_ref["state"]) == set(osd_got["state"])
+    for fqn, st in osd_ref["state"].items():
+        assert set(st) == set(osd_got["state"][fqn]) == {"step", "exp_avg", "exp_avg_sq"}, fqn
+        for name, v in st.items():
+            _assert_same(v, osd_got["state"][fqn][name], f"{fqn}.{name}")
+    strip = lambda groups: [{k: (sorted(v) if k == "params" else v) for k, v in g.items()} for g in groups]  # noqa: E731
+    assert strip(osd_ref["param_groups"]) == strip(osd_got["param_groups"])
+
+
+def _assert_local_equal(a, b):
+    """Two optimizers' own state dicts (this rank's shards) are equal."""
+    assert a["param_groups"] == b["param_groups"]
+    assert set(a["state"]) == set(b["state"]), (sorted(a["state"]), sorted(b["state"]))
+    for k in a["state"]:
+        assert set(a["state"][k]) == set(b["state"][k]), k
+        for name, v in a["state"][k].items():
+            _assert_same(v, b["state"][k][name], f"{k}.{name}")
+
+
+# --------------------------------------------------- format and bit-exact resume
+def _rows_of_full(rank, world_size, model_name, use_orig_params, strategy):
+    """The SHARDED optimizer state dict is the FULL one cut into torch.chunk rows."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    (model,), (opt,) = _models(model_name, use_orig_params, strategy)
+    for step in range(2):
+        _step(model, opt, model_name, rank, step)
+    full = zs.FSDP.optim_state_dict(model, opt)
+    with zs.FSDP.state_dict_type(model, SHARDED, None, ShardedOptimStateDictConfig()):
+        sharded = zs.FSDP.optim_state_dict(model, opt)
+    assert list(sharded["state"]) == list(full["state"]) and sharded["param_groups"] == full["param_groups"]
+    for fqn, st in full["state"].items():
+        assert list(sharded["state"][fqn]) == list(st), fqn
+        for name, v in st.items():
+            s = sharded["state"][fqn][name]
+            if v.dim() == 0:  # step: a plain scalar, as in torch
+                assert not isinstance(s, DTensor) and torch.equal(s, v), (fqn, name)
+                continue
+            rows = -(-v.shape[0] // world_size)
+            assert isinstance(s, DTensor) and s.placements == (Shard(0),) and s.shape == v.shape, (fqn, name)
+            assert torch.equal(s.to_local(), v[rank * rows : (rank + 1) * rows]), (fqn, name)
+    return len(full["state"])
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_sharded_optim_state_dict_is_the_full_one_in_rows(ranks, use_orig_params):
+    assert ranks.run(3, _rows_of_full, "gpt", use_orig_params, "FULL_SHARD") == [40] * 3
+
+
+def _resume(rank, world_size, path, model_name, use_orig_params, strategy, hybrid):
+    (model,), (opt,) = _models(model_name, use_orig_params, strategy, hybrid)
+    for step in range(3):
+        _step(model, opt, model_name, rank, step)
+    _save(model, opt, path)
+    for step in range(3, 6):
+        _step(model, opt, model_name, rank, step)
+    (fresh,), (fresh_opt,) = _models(model_name, use_orig_params, strategy, hybrid, seed=1)  # other weights, no state
+    _load(fresh, fresh_opt, path)
+    for step in range(3, 6):
+        _step(fresh, fresh_opt, model_name, rank, step)
+    for (n, a), (_, b) in zip(model.named_parameters(), fresh.named_parameters()):
+        assert torch.equal(a, b), n  # this rank's shards
+    _assert_local_equal(opt.state_dict(), fresh_opt.state_dict())  # this rank's AdamW states
+    _assert_full_equal(_full(model, opt), _full(fresh, fresh_opt))
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_resume_from_sharded_model_and_optim_is_bit_exact(ranks, tmp_path, use_orig_params, strategy):
+    assert all(ranks.run(2, _resume, str(tmp_path / "ckpt"), "gpt", use_orig_params, strategy, None))
+
+
+# ------------------------------------------------------------------ resharding
+def _save_trained(rank, world_size, path, model_name, use_orig_params, strategy="FULL_SHARD", hybrid=None):
+    (model,), (opt,) = _models(model_name, use_orig_params, strategy, hybrid)
+    for step in range(3):
+        _step(model, opt, model_name, rank, step)
+    _save(model, opt, path)
+    full = _full(model, opt)  # a collective: every rank
+    return full if rank == 0 else None
+
+
+def _load_fresh(rank, world_size, path, model_name, use_orig_params, strategy="FULL_SHARD", hybrid=None):
+    (model,), (opt,) = _models(model_name, use_orig_params, strategy, hybrid, seed=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # world size 1: NO_SHARD
+        _load(model, opt, path)
+    return _full(model, opt)
+
+
+@pytest.mark.parametrize("save_world,load_world,model_name,orig_save,orig_load", [
+    (4, 2, "mlp", False, False),
+    (2, 3, "gpt", True, True),
+    (3, 1, "gpt", True, False),
+])
+def test_sharded_model_and_optim_reshard(ranks, tmp_path, save_world, load_world, model_name, orig_save, orig_load):
+    path = str(tmp_path / "ckpt")
+    saved = ranks.run(save_world, _save_trained, path, model_name, orig_save)[0]
+    for got in ranks.run(load_world, _load_fresh, path, model_name, orig_load):
+        _assert_full_equal(saved, got)
+
+
+# ------------------------------------------------------------ torch FSDP1 interop
+def _torch_full(model, opt):
+    # offload_to_cpu=False: torch's default gives exp_avg == exp_avg_sq with
+    # use_orig_params=True on CPU (see test_checkpoint._torch_osd).
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tfsdp.FullyShardedDataParallel.state_dict_type(model, tfsdp.StateDictType.FULL_STATE_DICT, tfsdp.FullStateDictConfig(),
+                                                            tfsdp.FullOptimStateDictConfig(offload_to_cpu=False)):
+            return model.state_dict(), tfsdp.FullyShardedDataParallel.optim_state_dict(model, opt)
+
+
+def _interop_save(rank, world_size, path_torch, path_ours, use_orig_params):
+    import torch.distributed.checkpoint as dcp
+
+    (ref, ours), (opt_ref, opt_ours) = _models("mlp", use_orig_params, engines=("torch", "zeroshard"))
+    for step in range(3):
+        for m, o in ((ref, opt_ref), (ours, opt_ours)):
+            _step(m, o, "mlp", rank, step)
+    TFSDP = tfsdp.FullyShardedDataParallel
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with TFSDP.state_dict_type(ref, tfsdp.StateDictType.SHARDED_STATE_DICT):
+            sd_t, osd_t = ref.state_dict(), TFSDP.optim_state_dict(ref, opt_ref)
+            assert type(next(iter(osd_t["state"].values()))["exp_avg"]).__name__ == "ShardedTensor"
+            with zs.FSDP.state_dict_type(ours, SHARDED):
+                sd_z, osd_z = ours.state_dict(), zs.FSDP.optim_state_dict(ours, opt_ours)
+                # In memory: each engine's sharded optimizer state dict loads into the other's optimizer.
+                _assert_local_equal(opt_ours.state_dict(), zs.FSDP.optim_state_dict_to_load(ours, opt_ours, osd_t))
+                _assert_local_equal(opt_ref.state_dict(), TFSDP.optim_state_dict_to_load(ref, opt_ref, osd_z))
+        dcp.save({"model": sd_t, "optim": osd_t}, checkpoint_id=path_torch)
+    checkpoint.save_sharded({"model": sd_z, "optim": osd_z}, path_ours)
+    full = _torch_full(ref, opt_ref)
+    _assert_full_equal(full, _full(ours, opt_ours))  # the engines trained identically
+    return full if rank == 0 else None
+
+
+def _interop_load(rank, world_size, path_torch, path_ours, use_orig_params):
+    import torch.distributed.checkpoint as dcp
+
+    (ref, ours), (opt_ref, opt_ours) = _models("mlp", use_orig_params, engines=("torch", "zeroshard"), seed=1)
+    _load(ours, opt_ours, path_torch)  # zeroshard reads torch's checkpoint
+    TFSDP = tfsdp.FullyShardedDataParallel
+    optim_state.init_optim_state(opt_ref)
+    with warnings.catch_warnings():  # torch reads zeroshard's, the way torch documents for FSDP1
+        warnings.simplefilter("ignore")
+        with TFSDP.state_dict_type(ref, tfsdp.StateDictType.SHARDED_STATE_DICT):
+            state = {"model": ref.state_dict(), "optim": TFSDP.optim_state_dict(ref, opt_ref)}
+            dcp.load(state, checkpoint_id=path_ours)
+            ref.load_state_dict(state["model"])
+            opt_ref.load_state_dict(TFSDP.optim_state_dict_to_load(ref, opt_ref, state["optim"]))
+    return _full(ours, opt_ours), _torch_full(ref, opt_ref)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_sharded_checkpoints_cross_with_torch_fsdp(ranks, tmp_path, use_orig_params):
+    paths = str(tmp_path / "torch"), str(tmp_path / "ours")
+    saved = ranks.run(2, _interop_save, *paths, use_orig_params)[0]
+    for ours, theirs in ranks.run(3, _interop_load, *paths, use_orig_params):  # and resharded 2 -> 3
+        _assert_full_equal(saved, ours)
+        _assert_full_equal(saved, theirs)
+
+
+# ------------------------------------------------------------- hybrid sharding
+@pytest.mark.parametrize("strategy,use_orig_params", [("HYBRID_SHARD", False), ("_HYBRID_SHARD_ZERO2", True)])
+def test_hybrid_sharded_checkpoint_round_trip_writes_each_row_once(ranks, tmp_path, strategy, use_orig_params):
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    path = str(tmp_path / "ckpt")
+    assert all(ranks.run(4, _resume, path, "mlp", use_orig_params, strategy, "tuple"))
+    # Both replica groups hold every row; DCP wrote each exactly once (chunks tile each tensor).
+    tensors = [m for m in FileSystemReader(path).read_metadata().state_dict_metadata.values() if isinstance(m, TensorStorageMetadata)]
+    assert tensors and all(sum(c.sizes.numel() for c in m.chunks) == m.size.numel() for m in tensors)
+    assert max(len(m.chunks) for m in tensors) == 2  # the shard group's size, not the world's
+
+
+def test_hybrid_checkpoint_loads_into_full_shard_and_back(ranks, tmp_path):
+    a, b = str(tmp_path / "hybrid"), str(tmp_path / "full")
+    saved = ranks.run(4, _save_trained, a, "gpt", True, "HYBRID_SHARD", "tuple")[0]
+    for got in ranks.run(2, _load_fresh, a, "gpt", False, "FULL_SHARD"):
+        _assert_full_equal(saved, got)
+    saved = ranks.run(2, _save_trained, b, "gpt", False, "FULL_SHARD")[0]
+    for got in ranks.run(4, _load_fresh, b, "gpt", True, "_HYBRID_SHARD_ZERO2", "tuple"):
+        _assert_full_equal(saved, got)

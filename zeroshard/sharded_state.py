@@ -1,0 +1,140 @@
+"""SHARDED state: each tensor as this rank's rows, in a DTensor that
+``torch.distributed.checkpoint`` (DCP) can save and reshard.
+
+A flat shard splits parameters anywhere and depends on the world size, so it
+cannot be a checkpoint's unit. SHARDED state dicts (model and optimizer)
+instead cut every full tensor into ``torch.chunk`` rows over the ranks that
+shard it: rank r holds rows ``[r*ceil(d0/N), (r+1)*ceil(d0/N))`` (trailing
+ranks may hold none). DCP records each chunk's offsets, so a checkpoint
+written at one world size loads at any other.
+
+* plain FULL_SHARD / SHARD_GRAD_OP: a 1-D mesh over the process group,
+  placements ``(Shard(0),)``;
+* hybrid sharding: a 2-D mesh (replicate, shard) built from the two groups,
+  placements ``(Replicate(), Shard(0))``. Both replica groups hold the same
+  rows; DCP deduplicates equal chunks, so each row is written once, and on
+  load every replica reads its rows.
+
+:func:`to_row_shard` cuts, :func:`from_row_shard` puts the rows back
+together (one all-gather over the shard group). It also takes torch FSDP1's
+``ShardedTensor`` (what torch returns for SHARDED on CPU without a device
+mesh), so state dicts produced by torch load here too.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
+
+def device_mesh(root):
+    """The mesh of ``root``'s ranks (made once, then cached): 1-D over its
+    process group, or 2-D (replicate, shard) under hybrid sharding."""
+    mesh = root.__dict__.get("_zeroshard_mesh")
+    if mesh is not None:
+        return mesh
+    from torch.distributed.device_mesh import DeviceMesh
+
+    device = root.compute_device.type
+    shard, replicate = root.process_group, root._replicate_group
+    if replicate is None:
+        mesh = DeviceMesh.from_group(shard, device)
+    else:
+        # Row i of the mesh is the shard group of the i-th rank of this
+        # rank's replica group; only those ranks know it, so they tell.
+        rows = [None] * replicate.size()
+        dist.all_gather_object(rows, dist.get_process_group_ranks(shard), group=replicate)
+        mesh = DeviceMesh.from_group([replicate, shard], device, mesh=torch.tensor(rows), mesh_dim_names=("replicate", "shard"))
+    root.__dict__["_zeroshard_mesh"] = mesh
+    return mesh
+
+
+def _shard_dim(mesh) -> int:
+    return mesh.ndim - 1  # 1-D: the only dim; 2-D (replicate, shard): the last
+
+
+def to_row_shard(full: torch.Tensor, mesh) -> DTensor:
+    """This rank's rows of ``full`` as a DTensor (a copy); 0-dim tensors are replicated."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard  # heavy: only for SHARDED
+
+    replicated = [Replicate()] * (mesh.ndim - 1)
+    if full.dim() == 0:
+        return DTensor.from_local(full.detach().clone(), mesh, [*replicated, Replicate()], run_check=False)
+    dim = _shard_dim(mesh)
+    d0, n, r = full.shape[0], mesh.size(dim), mesh.get_local_rank(dim)
+    rows = -(-d0 // n)
+    local = full.detach()[min(r * rows, d0) : min((r + 1) * rows, d0)].clone()
+    return DTensor.from_local(local, mesh, [*replicated, Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
+
+
+def is_sharded(value) -> bool:
+    """A DTensor or a ShardedTensor (torch FSDP1's SHARDED values on CPU)."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor) or type(value).__name__ == "ShardedTensor"
+
+
+def _gather_rows(local: torch.Tensor, shape, group) -> torch.Tensor:
+    """Every rank's ``torch.chunk`` rows, zero-padded to equal size and
+    all-gathered, trimmed to ``shape`` (collective over ``group``)."""
+    n = group.size()
+    rows = -(-shape[0] // n)
+    padded = local.new_zeros((rows, *shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    out = local.new_empty((rows * n, *shape[1:]))
+    comm.all_gather(out, padded, group, async_op=False, what="SHARDED state rows")
+    return out[: shape[0]]
+
+
+def from_row_shard(value):
+    """The full tensor of a row-sharded DTensor or ShardedTensor (collective
+    over the ranks that shard it); other values are returned as they are."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if type(value).__name__ == "ShardedTensor":
+        return _from_sharded_tensor(value)
+    if not isinstance(value, DTensor):
+        return value
+    local = value.to_local()
+    sharded = [i for i, p in enumerate(value.placements) if not isinstance(p, Replicate)]
+    if not sharded:
+        return local
+    if len(sharded) != 1 or value.placements[sharded[0]] != Shard(0):
+        raise ValueError(f"zeroshard: cannot load a DTensor with placements {value.placements}; expected Shard(0) on one "
+                         "mesh dimension and Replicate() on the others, as zeroshard's SHARDED state dicts hold. "
+                         "Fix: load into the state dict zeroshard's state_dict() / optim_state_dict() returns.")
+    return _gather_rows(local, value.shape, value.device_mesh.get_group(sharded[0]))
+
+
+def _from_sharded_tensor(st) -> torch.Tensor:
+    """The full tensor of torch FSDP1's ShardedTensor: dim-0 chunks, at most
+    one per rank of its process group (``_create_chunk_sharded_tensor``)."""
+    md, group = st.metadata(), st._process_group or dist.group.WORLD
+    shape = tuple(md.size)
+    by_rank = {}
+    for m in md.shards_metadata:
+        if any(m.shard_offsets[1:]) or tuple(m.shard_sizes[1:]) != shape[1:]:
+            raise ValueError(f"zeroshard: cannot load a ShardedTensor with shard {m}: only dim-0 chunks (torch FSDP1's "
+                             "SHARDED format) are supported.")
+        by_rank[dist.get_group_rank(group, m.placement.rank())] = m
+    n = group.size()
+    rows = max((m.shard_sizes[0] for m in by_rank.values()), default=0)
+    shards = st.local_shards()
+    if shards:
+        local = shards[0].tensor
+    else:
+        local = torch.empty((0, *shape[1:]), dtype=md.tensor_properties.dtype)
+    padded = local.new_zeros((rows, *shape[1:]))
+    padded[: local.shape[0]].copy_(local)
+    gathered = local.new_empty((rows * n, *shape[1:]))
+    comm.all_gather(gathered, padded, group, async_op=False, what="SHARDED state (ShardedTensor) rows")
+    full = local.new_empty(shape)
+    for r, m in by_rank.items():
+        full[m.shard_offsets[0] : m.shard_offsets[0] + m.shard_sizes[0]].copy_(gathered[r * rows : r * rows + m.shard_sizes[0]])
+    return full
