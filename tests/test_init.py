@@ -185,3 +185,20 @@ def test_meta_init_equals_eager_init_with_same_seed(ranks, wrap_each):
     """Where materialization order equals construction order (here: a
     Sequential), meta-device init reproduces the eagerly built weights."""
     assert all(ranks.run(2, _meta_equals_eager, wrap_each))
+
+
+def _module_reprs(rank, world_size, use_orig_params):
+    model = zs.FSDP(MLP(n_blocks=2), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    names = []
+    model.apply(lambda m: names.append(type(m).__name__))
+    before = repr(model)
+    model(batch("mlp", rank, 0))
+    return before, repr(model), names
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_wrapped_module_prints_before_first_forward(ranks, use_orig_params):
+    """repr() and apply() reach every submodule before the first unshard too
+    (torch FSDP1 allows both; the original attributes must exist)."""
+    for before, after, names in ranks.run(2, _module_reprs, use_orig_params):
+        assert before == after and "bias=True" in before and "Linear" in names

@@ -129,6 +129,22 @@ class FlatParamHandle:
                 p._zeroshard_retired = f"{info.fqn} of unit '{unit_name}'"
             if self.always_full:
                 self.use_unsharded_views()
+            else:
+                self._placeholder_views()
+
+    def _placeholder_views(self):
+        """Until the first unshard, the module attributes are views of the freed
+        full buffer, as after every reshard: the module prints and introspects
+        (repr, apply) as under torch FSDP1, though its values are not readable."""
+        full = self._full_buffer(self.compute_dtype)
+        storage = full.untyped_storage()
+        storage.resize_(full.numel() * full.element_size())  # views need the storage's size
+        views = [full[p.offset : p.offset + p.numel].view(p.shape) for p in self.layout.params]
+        storage.resize_(0)
+        for view, info in zip(views, self.layout.params):
+            info.module.__dict__[info.name] = view
+        for info in self.layout.shared:
+            info.module.__dict__[info.name] = views[info.prim_index]
 
     def _full_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._full_buffers:
@@ -297,6 +313,8 @@ class FlatParamHandle:
             self.flat_param_host._parameters["_flat_param"] = self.flat_param
             if self.always_full:
                 self.use_unsharded_views()
+            else:
+                self._placeholder_views()
         self.reshard(free=not undo["was_unsharded"])
         if self.use_orig_params:
             self.use_sharded_grad_views()
