@@ -84,6 +84,8 @@ def _accumulate(h, out: torch.Tensor, post: float):
         out = h.flat_param.grad.data
     if h.offload and out.device != h.local_shard.device:
         out = out.to(h.local_shard.device)  # the optimizer steps the CPU shard
+        if not h.sharded:  # NO_SHARD reduced .grad in place: it must follow to the CPU too
+            h.flat_param.grad.data = out
     if out.dtype != h.dtype:  # reduced in low precision: back to the master dtype
         if h.sharded:
             out = out.to(h.dtype)
