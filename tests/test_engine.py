@@ -419,3 +419,25 @@ MICRO_ONLY = {"train_micro_batch_size_per_gpu": 4}
 
 def test_initialize_errors_name_the_fix(ranks):
     assert all(ranks.run(2, _initialize_errors))
+
+
+def _bucketed_step(rank, world_size, zero_extra):
+    engine, *_ = _engine(3, zero_optimization={"stage": 3, **zero_extra})
+    with zs.comm_stats() as stats:
+        _train(engine, rank, 1, 0)
+    return dict(stats.calls), list(engine.module.state_dict().values())  # full tensors: layouts differ
+
+
+def test_deepspeed_bucket_and_persistence_keys_reach_the_engine(ranks):
+    """reduce_bucket_size -> bucket_cap_mb (one reduce-scatter per micro-step instead
+    of one per unit), stage3_param_persistence_threshold -> param_persistence_threshold
+    (units at or under it are all-reduced, never gathered); the numbers stay
+    bit-identical on 2 ranks (every sum is a + b)."""
+    plain = ranks.run(2, _bucketed_step, {})
+    bucketed = ranks.run(2, _bucketed_step, {"reduce_bucket_size": 5e8})
+    persistent = ranks.run(2, _bucketed_step, {"stage3_param_persistence_threshold": 1e9})
+    (calls, ref), (b_calls, b_params), (p_calls, p_params) = plain[0], bucketed[0], persistent[0]
+    micro_steps = 2
+    assert calls["reduce_scatter"] > micro_steps and b_calls["reduce_scatter"] == micro_steps
+    assert p_calls.get("all_gather", 0) == 0 and p_calls.get("reduce_scatter", 0) == 0 and p_calls["all_reduce"] > 0
+    assert all(torch.equal(a, b) for a, b in zip(ref, b_params)) and all(torch.equal(a, b) for a, b in zip(ref, p_params))

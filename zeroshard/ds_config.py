@@ -25,11 +25,15 @@ Honored keys:
 * ``zero_optimization`` {stage 0-3, offload_param / offload_optimizer
   {device: cpu | none}}: see ``engine``.
 
-Accepted, validated, but **not acted on** (zeroshard's engine issues one
-collective per unit and has no such knobs yet; bucketing is being added to the
-core engine separately): ``zero_optimization.reduce_bucket_size``,
-``stage3_prefetch_bucket_size``, ``stage3_param_persistence_threshold``,
-``stage3_max_live_parameters``, and ``pin_memory`` inside the offload sections.
+Mapped onto zeroshard's own knobs at stages 2/3 (``engine``):
+``zero_optimization.reduce_bucket_size`` (elements) -> FSDP ``bucket_cap_mb``
+(one reduce-scatter for many small units), ``stage3_param_persistence_threshold``
+-> ``param_persistence_threshold`` (stage 3; zeroshard applies it per unit, where
+DeepSpeed decides per parameter).
+
+Accepted, validated, but **not acted on**: ``stage3_prefetch_bucket_size``,
+``stage3_max_live_parameters`` (zeroshard prefetches one unit ahead and limits live
+units with ``limit_all_gathers``), and ``pin_memory`` inside the offload sections.
 
 Any other key draws one ``warnings.warn`` listing every unknown key (it is
 ignored). A wrong type or value raises ``ValueError`` naming the key, the
@@ -51,8 +55,8 @@ TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
              "consecutive_hysteresis", "auto_cast"}
 ZERO_KEYS = {"stage", "offload_param", "offload_optimizer"}
-ZERO_NOT_ACTED_ON = {"reduce_bucket_size", "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
-                     "stage3_max_live_parameters"}
+ZERO_MAPPED = {"reduce_bucket_size", "stage3_param_persistence_threshold"}
+ZERO_NOT_ACTED_ON = {"stage3_prefetch_bucket_size", "stage3_max_live_parameters"}
 OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"},
                     "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"}}
 SCHEDULER_PARAMS = {"WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
@@ -106,6 +110,7 @@ class ZeroConfig:
     stage: int = 0
     offload_param: bool = False
     offload_optimizer: bool = False
+    mapped: dict = field(default_factory=dict)  # reduce_bucket_size etc.: become FSDP keywords (engine)
     not_acted_on: dict = field(default_factory=dict)  # present keys zeroshard accepts but ignores
 
 
@@ -278,9 +283,11 @@ def _zero(sec: dict, unknown: list) -> ZeroConfig:
     if zero.offload_optimizer and zero.stage == 0:
         raise _bad("zero_optimization.offload_optimizer.device", "cpu", "optimizer offload needs ZeRO stage 1, 2 or 3",
                    'set "stage" to 1, 2 or 3')
+    for k in sorted(ZERO_MAPPED & set(sec)):
+        zero.mapped[k] = _number(f"zero_optimization.{k}", sec[k])
     for k in sorted(ZERO_NOT_ACTED_ON & set(sec)):
         zero.not_acted_on[k] = _number(f"zero_optimization.{k}", sec[k])
-    unknown += [f"zero_optimization.{k}" for k in sec if k not in ZERO_KEYS | ZERO_NOT_ACTED_ON]
+    unknown += [f"zero_optimization.{k}" for k in sec if k not in ZERO_KEYS | ZERO_MAPPED | ZERO_NOT_ACTED_ON]
     return zero
 
 

@@ -190,6 +190,12 @@ class Engine(nn.Module):
         if self.config.zero.offload_param or self.config.zero.offload_optimizer:
             kw["cpu_offload"] = CPUOffload(offload_params=True)  # shards, grads and optimizer states stay on CPU
         kw.setdefault("sync_module_states", True)
+        mapped = self.config.zero.mapped  # DeepSpeed's bucket and persistence knobs
+        if "reduce_bucket_size" in mapped:
+            elem = torch.finfo(dtype).bits // 8 if dtype is not None else 4
+            kw.setdefault("bucket_cap_mb", mapped["reduce_bucket_size"] * elem / 2**20)
+        if self.stage == 3 and "stage3_param_persistence_threshold" in mapped:
+            kw.setdefault("param_persistence_threshold", int(mapped["stage3_param_persistence_threshold"]))
         if self.device.type != "cpu":
             kw.setdefault("device_id", self.device)
         return FullyShardedDataParallel(model, sharding_strategy=strategy, **kw)
