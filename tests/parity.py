@@ -156,3 +156,28 @@ def run_case(rank: int, world_size: int, overrides: dict) -> dict:
         assert state_ref == state_ours, f"{where}: optimizer state exists for {state_ref} vs {state_ours}"
     return {"norms": norms, "params": sum(p.numel() for p in ours.parameters()),
             "with_state": sorted(n for n, p in ours.named_parameters() if p in opt_ours.state)}
+
+
+def wrapped_with_adamw(model_name, use_orig_params, strategy="FULL_SHARD", hybrid=None, engines=("torch", "zeroshard"), seed=0):
+    """The same seeded model wrapped by each engine, each with its AdamW (lr 1e-2)."""
+    case = {**DEFAULTS, "model": model_name, "use_orig_params": use_orig_params, "strategy": strategy, "hybrid": hybrid}
+    base = build(model_name, seed=seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        models = [_wrap(e, copy.deepcopy(base), case) for e in engines]
+    return models, [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+
+
+def train_step(model, opt, model_name, rank, step):
+    """One forward/backward/AdamW step on this rank's batch for ``step``."""
+    model(batch(model_name, rank, step)).float().pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def assert_same_value(a, b, where):
+    """torch.equal with dtype and shape for tensors, == for anything else."""
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
+    else:
+        assert a == b, where

@@ -6,7 +6,6 @@ prefixed and misshapen FULL state dicts. (Sharded optimizer state and hybrid
 sharding: test_sharded_checkpoint.py; atomic DCP directories: test_dcp_atomic.py.)"""
 from __future__ import annotations
 
-import copy
 import warnings
 
 import pytest
@@ -14,25 +13,12 @@ import torch
 import torch.distributed.fsdp as tfsdp
 
 import zeroshard as zs
-from models import batch, build
-from parity import DEFAULTS, _wrap
+from models import build
+from parity import assert_same_value as _assert_same_value
+from parity import train_step as _step
+from parity import wrapped_with_adamw as _engines
 from zeroshard import checkpoint, optim_state
 from zeroshard.optim_state import FullOptimStateDictConfig
-
-
-def _engines(model_name, use_orig_params, strategy="FULL_SHARD", engines=("torch", "zeroshard"), seed=0):
-    case = {**DEFAULTS, "model": model_name, "use_orig_params": use_orig_params, "strategy": strategy}
-    base = build(model_name, seed=seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        models = [_wrap(e, copy.deepcopy(base), case) for e in engines]
-    return models, [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
-
-
-def _step(model, opt, model_name, rank, step):
-    model(batch(model_name, rank, step)).float().pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
 
 
 def _torch_osd(model, opt):
@@ -51,13 +37,6 @@ def _torch_to_load(model, opt, osd):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return tfsdp.FullyShardedDataParallel.optim_state_dict_to_load(model, opt, osd)
-
-
-def _assert_same_value(a, b, where):
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    else:
-        assert a == b, where
 
 
 def _assert_osd_equal(ref, ours):

@@ -6,7 +6,7 @@ checkpoints and in-memory dicts cross both ways; hybrid sharding saves each
 row once and loads into FULL_SHARD and back."""
 from __future__ import annotations
 
-import copy
+import functools
 import warnings
 
 import pytest
@@ -14,27 +14,14 @@ import torch
 import torch.distributed.fsdp as tfsdp
 
 import zeroshard as zs
-from models import batch, build
-from parity import DEFAULTS, _wrap
+from parity import assert_same_value as _assert_same
+from parity import train_step as _step
+from parity import wrapped_with_adamw
 from zeroshard import checkpoint, optim_state
 from zeroshard.optim_state import ShardedOptimStateDictConfig
 
 SHARDED = zs.StateDictType.SHARDED_STATE_DICT
-
-
-def _models(model_name, use_orig_params, strategy="FULL_SHARD", hybrid=None, engines=("zeroshard",), seed=0):
-    case = {**DEFAULTS, "model": model_name, "use_orig_params": use_orig_params, "strategy": strategy, "hybrid": hybrid}
-    base = build(model_name, seed=seed)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        models = [_wrap(e, copy.deepcopy(base), case) for e in engines]
-    return models, [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
-
-
-def _step(model, opt, model_name, rank, step):
-    model(batch(model_name, rank, step)).float().pow(2).mean().backward()
-    opt.step()
-    opt.zero_grad()
+_models = functools.partial(wrapped_with_adamw, engines=("zeroshard",))
 
 
 def _save(model, opt, path):
@@ -56,13 +43,6 @@ def _load(model, opt, path):
 def _full(model, opt):
     """FULL model and optimizer state dicts (on every rank)."""
     return model.state_dict(), zs.FSDP.optim_state_dict(model, opt)
-
-
-def _assert_same(a, b, where):
-    if torch.is_tensor(a):
-        assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
-    else:
-        assert a == b, where
 
 
 def _assert_full_equal(ref, got):
