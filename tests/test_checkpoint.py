@@ -17,7 +17,7 @@ from models import build
 from parity import assert_same_value as _assert_same_value
 from parity import train_step as _step
 from parity import wrapped_with_adamw as _engines
-from zeroshard import checkpoint, optim_state
+from zeroshard import checkpoint, optim_load, optim_state
 from zeroshard.optim_state import FullOptimStateDictConfig
 
 
@@ -73,8 +73,8 @@ def _osd_parity(rank, world_size, model_name, use_orig_params, strategy):
     _assert_osd_equal(osd_ref, osd_ours)
     # Back to this rank's shards: both engines give what each optimizer holds.
     local = opt_ours.state_dict()
-    _assert_local_equal(local, optim_state.optim_state_dict_to_load(ours, opt_ours, osd_ours))
-    _assert_local_equal(_torch_to_load(ref, opt_ref, osd_ref), optim_state.optim_state_dict_to_load(ours, opt_ours, osd_ref))
+    _assert_local_equal(local, optim_load.optim_state_dict_to_load(ours, opt_ours, osd_ours))
+    _assert_local_equal(_torch_to_load(ref, opt_ref, osd_ref), optim_load.optim_state_dict_to_load(ours, opt_ours, osd_ref))
     return len(osd_ours["state"])
 
 
@@ -151,7 +151,7 @@ def _cross_engine(rank, world_size, model_name, src_orig, dst_orig):
         ref2.load_state_dict(sd)
     ours2.load_state_dict(sd)
     opt_ref2.load_state_dict(_torch_to_load(ref2, opt_ref2, osd_ours))
-    opt_ours2.load_state_dict(optim_state.optim_state_dict_to_load(ours2, opt_ours2, osd_ref))
+    opt_ours2.load_state_dict(optim_load.optim_state_dict_to_load(ours2, opt_ours2, osd_ref))
     if src_orig == dst_orig:
         _assert_local_equal(opt_ref.state_dict(), opt_ref2.state_dict())
         _assert_local_equal(opt_ours.state_dict(), opt_ours2.state_dict())

@@ -19,7 +19,8 @@ The package reads in lifecycle order:
   grad_norm   -> clip_grad_norm_ over shards
   state_dict  -> summon_full_params, full, local and sharded (DCP) state dicts
   sharded_state -> SHARDED tensors: this rank's rows as DTensors (1-D, or 2-D for hybrid) for DCP
-  optim_state -> optimizer state dicts (ZeRO-1 state, gathered / re-sharded)
+  optim_state -> optimizer state dicts: each unit's sharded states gathered (FULL) or cut into rows (SHARDED)
+  optim_load  -> the inverse: a checkpoint's optimizer state cut back to this rank's shards
   checkpoint  -> atomic checkpoint files and DCP directories; consolidate: DCP dir -> one file
   comm        -> the collectives, with byte accounting
   ext         -> optional C++/CUDA flatten/unflatten kernels

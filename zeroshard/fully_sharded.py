@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import groups, hooks, materialize, optim_state
+from . import groups, hooks, materialize, optim_load, optim_state
 from . import state_dict as sd
 from .bucket import unit_strategy
 from .flat_param import FlatParameter, collect_params
@@ -262,7 +262,7 @@ class FullyShardedDataParallel(nn.Module):
         rank's shards, for ``optim.load_state_dict`` (or loaded directly with ``load_directly=True``)."""
         if is_named_optimizer:
             raise ValueError("zeroshard: is_named_optimizer=True is not supported. Fix: use a torch.optim optimizer.")
-        out = optim_state.optim_state_dict_to_load(model, optim, optim_state_dict, group)
+        out = optim_load.optim_state_dict_to_load(model, optim, optim_state_dict, group)
         if load_directly:
             optim.load_state_dict(out)
         return out

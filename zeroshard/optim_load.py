@@ -1,0 +1,211 @@
+"""Loading optimizer state under ZeRO: the inverse of ``optim_state``.
+
+:func:`optim_state_dict_to_load` cuts a checkpoint's optimizer state dict back
+into what ``optim.load_state_dict`` expects on this rank, for the sharded
+layout the optimizer really steps (see ``optim_state`` for both layouts):
+
+* ``use_orig_params=False``: one state per FlatParameter, the per-parameter
+  states flattened and concatenated at the parameters' offsets (zeros in the
+  padding), then cut to this rank's shard (:func:`_flatten_shard`);
+* ``use_orig_params=True``: each original parameter's 1-D slice that falls in
+  this rank's shard (:func:`_orig_shard`).
+
+The full states come from the dict itself (FULL), from rank 0 (``rank0_only``:
+broadcast one state at a time, :class:`_Rank0States`) or from their rows
+(DTensor or torch FSDP1's ShardedTensor, all-gathered one parameter at a time,
+:class:`_FullStates`), so no rank holds more than one parameter's full states
+beyond what it was given.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from .optim_state import _is_elem, _is_rank0, _optim_params, _param_index, _settings
+from .sharded_state import from_row_shard
+from .state_dict import units_of
+
+
+class _FullStates:
+    """The full states of a FULL or SHARDED optimizer state dict, one FQN at a
+    time: rows (DTensor / ShardedTensor) are all-gathered on demand. Every
+    rank must ask for the same FQNs in the same order (the collectives match)."""
+
+    def __init__(self, osd: dict):
+        if "state" not in osd or "param_groups" not in osd:
+            raise ValueError("zeroshard: optim_state_dict_to_load got a dict without 'state' and 'param_groups'. Fix: pass "
+                             "what optim_state_dict returned; if only rank 0 has it, load under state_dict_type(..., "
+                             "FullOptimStateDictConfig(rank0_only=True)).")
+        self.state, self.param_groups = osd["state"], osd["param_groups"]
+
+    def get(self, fqn: str) -> dict | None:
+        st = self.state.get(fqn)
+        if st is None:
+            return None
+        full = {k: from_row_shard(st[k]) for k in sorted(st)}  # sorted: the same order on every rank
+        return {k: full[k] for k in st}
+
+
+@dataclass(frozen=True)
+class _TensorSpec:
+    shape: tuple
+    dtype: torch.dtype
+
+
+class _Rank0States:
+    """rank0_only: only rank 0 holds the dict. Its layout (scalars and
+    param_groups included) is broadcast once; each per-element state is
+    broadcast when asked for, so other ranks hold one parameter's at a time."""
+
+    def __init__(self, osd: dict | None, group, device: torch.device):
+        self.group, self.device = group, device
+        self.src = dist.get_global_rank(group, 0) if group is not None else 0
+        self.rank0 = _is_rank0(group)
+        layout = None
+        if self.rank0:
+            if not osd or "state" not in osd or "param_groups" not in osd:
+                layout = "zeroshard: optim_state_dict_to_load with rank0_only=True needs the full optimizer state " \
+                         "dict on rank 0. Fix: pass there the dict that optim_state_dict returned on rank 0 (other ranks may pass {})."
+            else:
+                specs = {fqn: {k: _TensorSpec(tuple(v.shape), v.dtype) if _is_elem(v) else v for k, v in st.items()}
+                         for fqn, st in osd["state"].items()}
+                layout = {"state": specs, "param_groups": osd["param_groups"]}
+        box = [layout]
+        dist.broadcast_object_list(box, src=self.src, group=group)
+        if isinstance(box[0], str):  # raised on every rank, not only on rank 0 (the others would wait forever)
+            raise ValueError(box[0])
+        self.specs, self.param_groups = box[0]["state"], box[0]["param_groups"]
+        self.full = osd["state"] if self.rank0 else None
+
+    def get(self, fqn: str) -> dict | None:
+        spec = self.specs.get(fqn)
+        if spec is None:
+            return None
+        out = {}
+        for k in sorted(spec):
+            v = spec[k]
+            if isinstance(v, _TensorSpec):
+                if self.rank0:
+                    t = self.full[fqn][k].to(self.device).contiguous()
+                else:
+                    t = torch.empty(v.shape, dtype=v.dtype, device=self.device)
+                dist.broadcast(t, src=self.src, group=self.group)
+                v = t
+            out[k] = v
+        return {k: out[k] for k in spec}
+
+
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, group=None) -> dict:
+    """Turn an optimizer state dict from :func:`optim_state_dict` (FULL, or
+    SHARDED rows: zeroshard's DTensors or torch FSDP1's ShardedTensors) into
+    ``optim.load_state_dict``'s input for this rank.
+
+    A FULL dict needs no communication; rows are all-gathered; with
+    ``FullOptimStateDictConfig(rank0_only=True)`` set by ``state_dict_type``
+    only rank 0's dict is read (other ranks may pass ``{}``) and broadcast.
+    """
+    _, rank0_only = _settings(model)
+    if rank0_only:
+        source = _Rank0States(optim_state_dict, group, units_of(model)[0].compute_device)
+    else:
+        source = _FullStates(optim_state_dict)
+    index = _param_index(model)
+    params = _optim_params(optim)
+    state, fqn_groups = {}, []
+    for pid, p in enumerate(params):
+        kind, h, i, names = index.get(id(p), ("plain", None, None, None))
+        if names is None:
+            raise ValueError("zeroshard: optim_state_dict_to_load: the optimizer holds a parameter that is not in the model. "
+                             "Fix: pass the model whose parameters the optimizer was built from.")
+        fqn_groups.append(names if kind == "flat" else [names])
+        if kind == "flat":
+            st = _flatten_shard(h, names, {f: v for f in names if (v := source.get(f)) is not None})
+        elif kind == "orig":
+            st = _orig_shard(h, i, source.get(names))
+        else:
+            full = source.get(names)
+            st = {k: v.clone() if torch.is_tensor(v) else v for k, v in full.items()} if full is not None else None
+        if st:
+            state[pid] = st
+    groups, pos = [], 0
+    saved_groups = source.param_groups
+    if len(saved_groups) != len(optim.param_groups):
+        raise ValueError(f"zeroshard: the optimizer state dict has {len(saved_groups)} param groups but the optimizer has "
+                         f"{len(optim.param_groups)}. Fix: build the optimizer with the same param groups as when saving.")
+    for gi, (saved, ours) in enumerate(zip(saved_groups, optim.param_groups)):
+        ids = list(range(pos, pos + len(ours["params"])))
+        pos += len(ours["params"])
+        expected = [f for pid in ids for f in fqn_groups[pid]]
+        if set(saved["params"]) != set(expected):
+            missing = sorted(set(expected) - set(saved["params"]))[:3]
+            extra = sorted(set(saved["params"]) - set(expected))[:3]
+            raise ValueError(f"zeroshard: param group {gi} of the optimizer state dict does not hold this optimizer's "
+                             f"parameters (missing e.g. {missing}, unexpected e.g. {extra}). Fix: load a state dict "
+                             "saved from the same model and param groups.")
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def _flatten_shard(h, fqns: list[str], full: dict) -> dict | None:
+    """This rank's FlatParameter state: the per-parameter states flattened,
+    concatenated at the parameters' offsets (zeros in padding), then sharded."""
+    present = [f for f in fqns if f in full]
+    if not present:
+        return None
+    layout, device = h.layout, h.local_shard.device
+    out = {}
+    names = {k for f in present for k in full[f]}
+    for name in sorted(names):
+        values = [full[f].get(name) for f in present]
+        sample = next(v for v in values if v is not None)
+        if not _is_elem(sample):
+            # One FlatParameter has one scalar (e.g. step): its parameters must agree.
+            if any(v is None or (torch.is_tensor(v) and not torch.equal(v, sample)) or (not torch.is_tensor(v) and v != sample) for v in values):
+                raise ValueError(f"zeroshard: optimizer state '{name}' differs between parameters of unit '{h.unit_name}' "
+                                 f"({present}); with use_orig_params=False they share one FlatParameter and one '{name}'. "
+                                 "Fix: load with use_orig_params=True, or make the values equal.")
+            out[name] = sample.clone() if torch.is_tensor(sample) else sample
+            continue
+        shard = torch.zeros(h.local_shard.numel(), dtype=sample.dtype, device=device)
+        start = layout.shard_start if h.sharded else 0
+        end = layout.shard_end if h.sharded else layout.numel
+        for fqn, info in zip(fqns, layout.params):
+            v = full.get(fqn, {}).get(name)
+            if v is None:
+                continue
+            _check_shape(v, info, name, fqn)
+            lo, hi = max(info.offset, start), min(info.offset + info.numel, end)
+            if lo < hi:
+                shard[lo - start : hi - start].copy_(v.reshape(-1)[lo - info.offset : hi - info.offset])
+        out[name] = shard
+    return out
+
+
+def _orig_shard(h, i: int, st: dict | None) -> dict | None:
+    """This rank's state of original parameter ``i``: its 1-D slice, or none
+    when the shard holds no element of it (the optimizer never steps it)."""
+    if st is None:
+        return None
+    info, sl = h.layout.params[i], h.layout.shard_slices[i]
+    if h.sharded and sl is None:
+        return None
+    out = {}
+    for name, v in st.items():
+        if not _is_elem(v):
+            out[name] = v.clone() if torch.is_tensor(v) else v
+            continue
+        _check_shape(v, info, name, info.fqn)
+        if not h.sharded:
+            out[name] = v.reshape(info.shape).to(h.local_shard.device, copy=True)
+        else:
+            out[name] = v.reshape(-1)[sl.offset_in_param : sl.offset_in_param + sl.numel_in_shard].to(h.local_shard.device, copy=True)
+    return out
+
+
+def _check_shape(v: torch.Tensor, info, name: str, fqn: str):
+    if v.numel() != info.numel:
+        raise ValueError(f"zeroshard: optimizer state '{name}' of '{fqn}' has shape {tuple(v.shape)} but the parameter has "
+                         f"shape {tuple(info.shape)}. Fix: load an optimizer state dict saved from the same model.")
