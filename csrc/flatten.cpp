@@ -354,84 +354,60 @@ std::vector<int64_t> unpack_ints(py::handle seq, const char* what) {
   return out;
 }
 
-// c10 errors become Python exceptions here rather than through torch's pybind
-// translator: that one is only found when this module and torch share pybind's
-// internals (same compiler ABI tag and pybind version), and a mismatch (seen
-// with a CUDA build against a distro pybind11) crashed instead of raising.
-template <typename F>
-py::object raising_python_errors(F&& body) {
-  try {
-    return body();
-  } catch (const c10::ValueError& e) {
-    PyErr_SetString(PyExc_ValueError, e.what_without_backtrace());
-  } catch (const c10::Error& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what_without_backtrace());
-  }
-  throw py::error_already_set();
-}
-
 py::object py_flatten_into(py::handle tensors, py::handle offsets, const at::Tensor& flat) {
-  return raising_python_errors([&]() -> py::object {
-    PyTensors ts = unpack_tensors(tensors, "tensors");
-    std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
-    bool done;
-    {
-      py::gil_scoped_release nogil;
-      done = flatten_into(ts.ptrs, offs, flat);
-    }
-    return py::bool_(done);
-  });
+  PyTensors ts = unpack_tensors(tensors, "tensors");
+  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+  bool done;
+  {
+    py::gil_scoped_release nogil;
+    done = flatten_into(ts.ptrs, offs, flat);
+  }
+  return py::bool_(done);
 }
 
 py::object py_flatten(py::handle tensors, py::handle offsets, int64_t total_numel) {
-  return raising_python_errors([&]() -> py::object {
-    PyTensors ts = unpack_tensors(tensors, "tensors");
-    std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
-    std::optional<at::Tensor> flat;
-    {
-      py::gil_scoped_release nogil;
-      flat = flatten(ts.ptrs, offs, total_numel);
-    }
-    if (!flat) return py::none();
-    return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(*flat)));
-  });
+  PyTensors ts = unpack_tensors(tensors, "tensors");
+  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+  std::optional<at::Tensor> flat;
+  {
+    py::gil_scoped_release nogil;
+    flat = flatten(ts.ptrs, offs, total_numel);
+  }
+  if (!flat) return py::none();
+  return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(*flat)));
 }
 
 py::object py_unflatten_into(const at::Tensor& flat, py::handle offsets, py::handle outs) {
-  return raising_python_errors([&]() -> py::object {
-    PyTensors os = unpack_tensors(outs, "outs");
-    std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
-    bool done;
-    {
-      py::gil_scoped_release nogil;
-      done = unflatten_into(flat, offs, os.ptrs);
-    }
-    return py::bool_(done);
-  });
+  PyTensors os = unpack_tensors(outs, "outs");
+  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+  bool done;
+  {
+    py::gil_scoped_release nogil;
+    done = unflatten_into(flat, offs, os.ptrs);
+  }
+  return py::bool_(done);
 }
 
 py::object py_unflatten(const at::Tensor& flat, py::handle offsets, py::handle shapes) {
-  return raising_python_errors([&]() -> py::object {
-    std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
-    auto fast = py::reinterpret_steal<py::object>(PySequence_Fast(shapes.ptr(), "shapes"));
-    if (!fast) throw py::error_already_set();
-    std::vector<std::vector<int64_t>> dims;
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.ptr()); ++i) {
-      dims.push_back(unpack_ints(PySequence_Fast_GET_ITEM(fast.ptr(), i),
-                                 "each shape must be a sequence of ints"));
-    }
-    std::optional<std::vector<at::Tensor>> outs;
-    {
-      py::gil_scoped_release nogil;
-      outs = unflatten(flat, offs, dims);
-    }
-    if (!outs) return py::none();
-    py::list result(outs->size());
-    for (size_t i = 0; i < outs->size(); ++i) {
-      result[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move((*outs)[i])));
-    }
-    return result;
-  });
+  std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
+  auto fast = py::reinterpret_steal<py::object>(PySequence_Fast(shapes.ptr(), "shapes"));
+  if (!fast) throw py::error_already_set();
+  std::vector<std::vector<int64_t>> dims;
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(fast.ptr()); ++i) {
+    dims.push_back(unpack_ints(PySequence_Fast_GET_ITEM(fast.ptr(), i),
+                               "each shape must be a sequence of ints"));
+  }
+  std::optional<std::vector<at::Tensor>> outs;
+  {
+    py::gil_scoped_release nogil;
+    outs = unflatten(flat, offs, dims);
+  }
+  if (!outs) return py::none();
+  py::list result(outs->size());
+  for (size_t i = 0; i < outs->size(); ++i) {
+    result[i] = py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move((*outs)[i])));
+  }
+  return result;
 }
 
 }  // namespace
