@@ -94,7 +94,9 @@ def main():
     for k in keys:
         m = build(k, args)
         runs[k] = (m, torch.optim.AdamW(m.parameters(), lr=1e-4, fused=True))
-    nparams = sum(p.numel() for p in build("plain", args).parameters())
+    with torch.device("meta"):  # count without building another model on the GPU
+        nparams = sum(p.numel() for p in CharGPT(args.vocab, d=args.d, heads=args.d // 64, layers=args.layers,
+                                                 ctx=args.seq).parameters())
     g = torch.Generator().manual_seed(0)
     data = [torch.randint(0, args.vocab, (2, args.batch, args.seq), generator=g).cuda()
             for _ in range(args.warmup + args.steps)]
