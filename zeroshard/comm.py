@@ -72,7 +72,10 @@ class CollectiveError(RuntimeError):
 
 def _fail(kind: str, what: str, group, err: BaseException):
     rank = dist.get_rank()
-    cause = "timed out (the process group's timeout)" if "timed out" in str(err).lower() else "failed"
+    # gloo words a timeout either way: "Timed out waiting ..." on the waiting side,
+    # "Application timeout caused pair closure" once its own timeout closed the pair.
+    text = str(err).lower()
+    cause = "timed out (the process group's timeout)" if "timed out" in text or "timeout caused" in text else "failed"
     return CollectiveError(
         f"zeroshard: rank {rank}: {kind} for {what} {cause} on a group of {dist.get_world_size(group)} ranks: {err}\n"
         "Likely causes: another rank died or raised, or ranks diverged (a different model or wrap policy, "
