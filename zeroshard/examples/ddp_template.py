@@ -62,6 +62,9 @@ def setup(rank, world_size, port=None):
 
 
 def cleanup():
+    # Every rank past its last collective before any tears gloo down: a rank
+    # exiting while its peer still shut down once aborted in CI.
+    dist.barrier()
     dist.destroy_process_group()
 
 

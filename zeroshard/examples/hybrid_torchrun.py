@@ -124,6 +124,7 @@ def main(argv=None):
         for name in checks:
             ok = all(v[name] for v in verdicts)
             print(f"node {node}: {name}: {'yes' if ok else 'NO'} (all {world} ranks)", flush=True)
+    dist.barrier()  # all ranks done before any tears gloo down (see ddp_template.cleanup)
     dist.destroy_process_group()
     if not all(all(v.values()) for v in verdicts):
         raise SystemExit(1)
