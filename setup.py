@@ -34,7 +34,7 @@ def _extension_setup():
     openmp = "OpenMP" in torch.__config__.parallel_info() and sys.platform.startswith("linux")
     cxx = ["-O3", "-g0"] + (["-fopenmp"] if openmp else [])  # -g0: no 10 MB of debug info
     link = ["-fopenmp"] if openmp else []
-    sources = ["csrc/flatten.cpp"]
+    sources = ["csrc/flatten.cpp", "csrc/plan.cpp"]
 
     # torch.cuda.is_available() is irrelevant at build time (build hosts often have no
     # GPU): what matters is a CUDA-enabled torch plus an nvcc to compile with.

@@ -7,8 +7,12 @@ Compares, in GB/s (payload bytes counted once / median time):
   copy          one flat.copy_(src) of the same bytes: the practical memory-bandwidth limit
   py flatten    torch.cat(tensors, out=flat)
   py unflatten  torch.split_with_sizes_copy(flat, sizes, out=outs)
-  ext flatten   zeroshard.ext.flatten_into (extension backend)
-  ext unflatten zeroshard.ext.unflatten_into (extension backend)
+  ext flatten   zeroshard.ext.flatten_into (extension backend), one-shot: every call
+                unpacks and re-checks the tensor list
+  ext unflatten zeroshard.ext.unflatten_into (extension backend), one-shot
+  plan flatten  zeroshard.ext.CopyPlan(tensors, offsets).flatten_into: the table checked
+                once and replayed, as a FlatParamHandle / ZeRO-1 partition repeats it
+  plan unflatten  CopyPlan.unflatten_into
 
 Usage: python benchmarks/flatten_bench.py [--quick] [--device cuda]
 """
@@ -66,6 +70,7 @@ def bench_case(n, nbytes, device, warmup, reps):
     src = torch.cat(tensors)  # the same bytes as one tensor, for the copy_ baseline
     flat = torch.empty(numel, device=device)
     outs = [torch.empty(s, device=device) for s in sizes]
+    plan_in, plan_out = ext.CopyPlan(tensors, offsets), ext.CopyPlan(outs, offsets)
     time_it = timer(device)
 
     ops = {
@@ -74,6 +79,8 @@ def bench_case(n, nbytes, device, warmup, reps):
         "py unflatten": lambda: torch.split_with_sizes_copy(flat, sizes, out=outs),
         "ext flatten": lambda: ext.flatten_into(tensors, offsets, flat),
         "ext unflatten": lambda: ext.unflatten_into(flat, offsets, outs),
+        "plan flatten": lambda: plan_in.flatten_into(flat),
+        "plan unflatten": lambda: plan_out.unflatten_into(flat),
     }
     for fn in ops.values():
         for _ in range(warmup):
@@ -90,6 +97,14 @@ def bench_case(n, nbytes, device, warmup, reps):
     assert torch.equal(flat, src)
     ext.unflatten_into(flat, offsets, outs)
     assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
+    flat.zero_()
+    plan_in.flatten_into(flat)
+    assert torch.equal(flat, src)
+    for o in outs:
+        o.zero_()
+    plan_out.unflatten_into(flat)
+    assert all(torch.equal(o, t) for o, t in zip(outs, tensors))
+    assert plan_in.rebuilds == plan_out.rebuilds == 1
     return gbps
 
 
@@ -109,25 +124,34 @@ def main():
         + ("" if backend != "python" else "  (extension NOT active: ext columns are the fallback)")
     )
     print()
-    cols = ["copy", "py flatten", "py unflatten", "ext flatten", "ext unflatten"]
-    print("| tensors | payload | " + " | ".join(cols) + " | ext fl/copy | ext unfl/copy "
-          "| ext fl/py | ext unfl/py |")
-    print("|" + "---:|" * (2 + len(cols) + 4))
+    cols = ["copy", "py flatten", "ext flatten", "plan flatten",
+            "py unflatten", "ext unflatten", "plan unflatten"]
+    ratios = {  # name: (numerator, denominator)
+        "ext/copy fl": ("ext flatten", "copy"), "ext/copy unfl": ("ext unflatten", "copy"),
+        "plan/copy fl": ("plan flatten", "copy"), "plan/copy unfl": ("plan unflatten", "copy"),
+        "ext/py fl": ("ext flatten", "py flatten"), "ext/py unfl": ("ext unflatten", "py unflatten"),
+        "plan/py fl": ("plan flatten", "py flatten"), "plan/py unfl": ("plan unflatten", "py unflatten"),
+    }
+    rows = []
     for nbytes in (4 * MB, 256 * MB):
         warmup, reps = (2, 5) if args.quick else (5, 20)
         if nbytes >= 64 * MB and not args.quick:
             reps = 10
         for n in (10, 100, 1000):
-            g = bench_case(n, nbytes, device, warmup, reps)
-            ratios = [
-                g["ext flatten"] / g["copy"],
-                g["ext unflatten"] / g["copy"],
-                g["ext flatten"] / g["py flatten"],
-                g["ext unflatten"] / g["py unflatten"],
-            ]
-            print(f"| {n} | {nbytes // MB} MB | " + " | ".join(f"{g[c]:.1f}" for c in cols)
-                  + " | " + " | ".join(f"{r:.2f}x" for r in ratios) + " |", flush=True)
-    print("\nGB/s = payload bytes / median time (1 GB = 1e9 B); higher is better.")
+            rows.append((n, nbytes, bench_case(n, nbytes, device, warmup, reps)))
+            print(f"  measured {n} tensors x {nbytes // MB} MB", flush=True)
+    print("\nGB/s (payload bytes / median time, 1 GB = 1e9 B; higher is better)\n")
+    print("| tensors | payload | " + " | ".join(cols) + " |")
+    print("|" + "---:|" * (2 + len(cols)))
+    for n, nbytes, g in rows:
+        print(f"| {n} | {nbytes // MB} MB | " + " | ".join(f"{g[c]:.1f}" for c in cols) + " |")
+    print("\nRatios (target: every /copy >= 0.8x, every /py >= 1.0x)\n")
+    print("| tensors | payload | " + " | ".join(ratios) + " |")
+    print("|" + "---:|" * (2 + len(ratios)))
+    for n, nbytes, g in rows:
+        print(f"| {n} | {nbytes // MB} MB | "
+              + " | ".join(f"{g[a] / g[b]:.2f}x" for a, b in ratios.values()) + " |")
+
 
 
 if __name__ == "__main__":

@@ -5,70 +5,22 @@
 // tensors for state dicts and summon_full_params. zeroshard/ext.py holds the
 // pure-torch reference; both paths must produce identical bytes.
 //
-// Every call reduces to a table of contiguous byte runs (src, dst, nbytes).
-// The runs are copied as ONE payload split into equal chunks across threads,
-// so 1000 tiny tensors and 10 huge ones parallelize equally well. Sources or
-// destinations that are not plain row-major memory (strided, conj/neg views)
-// go through at::Tensor::copy_, which already handles strides.
-#include <torch/extension.h>
+// Every call reduces to a table of contiguous byte runs (runs.h). The runs are
+// copied as ONE payload split into equal chunks across threads, so 1000 tiny
+// tensors and 10 huge ones parallelize equally well. Sources or destinations
+// that are not plain row-major memory (strided, conj/neg views) go through
+// at::Tensor::copy_, which already handles strides. plan.cpp caches the table
+// for a fixed list of tensors (CopyPlan).
+#include "runs.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cstring>
 #include <optional>
-#include <stdexcept>
-#include <string>
 #include <utility>
-#include <vector>
 
-#ifdef ZEROSHARD_WITH_CUDA
-// Defined in flatten_cuda.cu. `table` holds (src addr, dst addr, nbytes)
-// triples; src == 0 means zero-fill. One kernel launch on the current stream.
-void zeroshard_copy_segments_cuda(const std::vector<int64_t>& table,
-                                  const at::Device& device);
-#endif
-
-namespace {
-
-// Error messages are assembled with std::to_string, not c10::str's ostream:
-// a CUDA build with a newer host g++ than torch's crashed inside inlined
-// ostream code while formatting one. pybind turns value_error into Python's
-// ValueError and std::runtime_error into RuntimeError.
-std::string piece(const char* s) { return s; }
-std::string piece(const std::string& s) { return s; }
-std::string piece(long v) { return std::to_string(v); }
-std::string piece(unsigned long v) { return std::to_string(v); }
-std::string piece(long long v) { return std::to_string(v); }
-std::string piece(int v) { return std::to_string(v); }
-std::string piece(c10::ScalarType t) { return c10::toString(t); }
-std::string piece(const at::Device& d) { return d.str(); }
-std::string piece(at::Layout l) { return l == at::kStrided ? "Strided" : "non-strided #" + std::to_string(static_cast<int>(l)); }
-std::string piece(at::IntArrayRef a) {
-  std::string s = "[";
-  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
-  return s + "]";
-}
-template <typename... A>
-std::string cat(const A&... parts) {
-  std::string s;
-  ((s += piece(parts)), ...);
-  return s;
-}
-#define ZS_CHECK_VALUE(cond, ...) \
-  do {                             \
-    if (!(cond)) throw py::value_error(cat(__VA_ARGS__)); \
-  } while (0)
-#define ZS_CHECK(cond, ...) \
-  do {                       \
-    if (!(cond)) throw std::runtime_error(cat(__VA_ARGS__)); \
-  } while (0)
-
-struct Segment {
-  const char* src;  // nullptr: zero-fill dst
-  char* dst;
-  int64_t nbytes;
-};
+namespace zeroshard {
 
 // Chunks are whole 4 KiB units of the payload, so thread boundaries never
 // split a cache line; payloads under the grain (64 KiB) stay on the calling
@@ -76,9 +28,14 @@ struct Segment {
 constexpr int64_t kUnit = 4096;
 constexpr int64_t kGrainUnits = 16;
 
-void copy_segments_cpu(const std::vector<Segment>& segs) {
-  std::vector<int64_t> prefix(segs.size() + 1, 0);  // payload start of each run
+std::vector<int64_t> payload_prefix(const std::vector<Seg>& segs) {
+  std::vector<int64_t> prefix(segs.size() + 1, 0);
   for (size_t i = 0; i < segs.size(); ++i) prefix[i + 1] = prefix[i] + segs[i].nbytes;
+  return prefix;
+}
+
+void copy_runs_cpu(const std::vector<Seg>& segs, const std::vector<int64_t>& prefix, char* flat,
+                   bool to_flat) {
   const int64_t total = prefix.back();
   if (total == 0) return;
   at::parallel_for(0, (total + kUnit - 1) / kUnit, kGrainUnits, [&](int64_t ub, int64_t ue) {
@@ -87,74 +44,52 @@ void copy_segments_cpu(const std::vector<Segment>& segs) {
     // Runs are non-empty, so this lands on the run containing `pos`.
     size_t i = std::upper_bound(prefix.begin(), prefix.end(), pos) - prefix.begin() - 1;
     for (; pos < end; ++i) {
-      const Segment& s = segs[i];
+      const Seg& s = segs[i];
       const int64_t lo = pos - prefix[i];
       const int64_t n = std::min(end, prefix[i + 1]) - pos;
-      if (s.src != nullptr) {
-        std::memcpy(s.dst + lo, s.src + lo, n);
-      } else {
-        std::memset(s.dst + lo, 0, n);
+      char* f = flat + s.rel + lo;
+      if (s.ext == nullptr) {
+        std::memset(f, 0, n);
+      } else if (s.ext + lo != f) {  // equal: the tensor already views the flat buffer
+        if (to_flat) {
+          std::memcpy(f, s.ext + lo, n);
+        } else {
+          std::memcpy(s.ext + lo, f, n);
+        }
       }
       pos += n;
     }
   });
 }
 
-void copy_segments(const std::vector<Segment>& segs, const at::Device& device) {
+void copy_runs(const std::vector<Seg>& segs, const at::Tensor& flat, bool to_flat) {
   if (segs.empty()) return;
-  if (device.is_cpu()) return copy_segments_cpu(segs);
+  char* base = static_cast<char*>(flat.data_ptr());
+  if (flat.device().is_cpu()) return copy_runs_cpu(segs, payload_prefix(segs), base, to_flat);
 #ifdef ZEROSHARD_WITH_CUDA
-  std::vector<int64_t> table;
-  table.reserve(segs.size() * 3);
-  for (const Segment& s : segs) {
-    table.push_back(reinterpret_cast<int64_t>(s.src));
-    table.push_back(reinterpret_cast<int64_t>(s.dst));
-    table.push_back(s.nbytes);
-  }
-  zeroshard_copy_segments_cuda(table, device);
+  copy_runs_cuda(segs, base, to_flat, flat.device());
 #else
   ZS_CHECK(false, "zeroshard._C was built without CUDA support");
 #endif
 }
 
-bool device_supported(const at::Device& d) {
-#ifdef ZEROSHARD_WITH_CUDA
-  return d.is_cpu() || d.is_cuda();
-#else
-  return d.is_cpu();
-#endif
-}
-
-// Tensor subclasses (__torch_dispatch__, e.g. FakeTensor/DTensor) have no raw
-// memory we may touch: the caller falls back to the pure-torch path.
-bool is_plain(const at::Tensor& t) {
-  return !t.key_set().has(c10::DispatchKey::Python) && device_supported(t.device());
-}
-
-// Row-major memory whose bytes are the logical values (a conj/neg view's
-// bytes are not), so a memcpy is exact.
-bool is_memcpyable(const at::Tensor& t) {
-  return t.is_contiguous() && !t.is_conj() && !t.is_neg() && !t._is_zerotensor();
-}
-
 void check_flat(const at::Tensor& flat) {
   ZS_CHECK_VALUE(flat.layout() == at::kStrided && flat.dim() == 1 && flat.is_contiguous(),
-                    "zeroshard: flat must be a 1-D contiguous tensor, got sizes ", flat.sizes(),
-                    " strides ", flat.strides());
+                 "zeroshard: flat must be a 1-D contiguous tensor, got sizes ", flat.sizes(),
+                 " strides ", flat.strides());
 }
 
 void check_member(const char* what, size_t i, const at::Tensor& t, int64_t off,
                   const at::Tensor& flat) {
   ZS_CHECK_VALUE(t.layout() == at::kStrided, "zeroshard: ", what, "[", i,
-                    "] must be a strided tensor, got layout ", t.layout());
+                 "] must be a strided tensor, got layout ", t.layout());
   ZS_CHECK_VALUE(t.scalar_type() == flat.scalar_type(), "zeroshard: ", what, "[", i,
-                    "] has dtype ", t.scalar_type(), " but flat has dtype ", flat.scalar_type());
+                 "] has dtype ", t.scalar_type(), " but flat has dtype ", flat.scalar_type());
   ZS_CHECK_VALUE(t.device() == flat.device(), "zeroshard: ", what, "[", i, "] is on ",
-                    t.device(), " but flat is on ", flat.device());
+                 t.device(), " but flat is on ", flat.device());
   const int64_t n = t.numel();
-  ZS_CHECK_VALUE(off >= 0 && off <= flat.numel() - n, "zeroshard: ", what, "[", i,
-                    "] range [", off, ", ", off + n, ") is out of bounds for flat of numel ",
-                    flat.numel());
+  ZS_CHECK_VALUE(off >= 0 && off <= flat.numel() - n, "zeroshard: ", what, "[", i, "] range [",
+                 off, ", ", off + n, ") is out of bounds for flat of numel ", flat.numel());
   if (n == 0) return;
   // Raw pointers bypass torch's storage bounds checks, and a storage freed
   // with resize_(0) (as FSDP does on reshard) still hands out data_ptr() 0.
@@ -167,54 +102,70 @@ void check_member(const char* what, size_t i, const at::Tensor& t, int64_t off,
     for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
   }
   ZS_CHECK(static_cast<uint64_t>((last + 1) * es) <= t.storage().nbytes(), "zeroshard: ", what,
-              "[", i, "] reaches byte ", (last + 1) * es, " of a storage of ", t.storage().nbytes(),
-              " bytes (was its storage freed?)");
+           "[", i, "] reaches byte ", (last + 1) * es, " of a storage of ", t.storage().nbytes(),
+           " bytes (was its storage freed?)");
   ZS_CHECK(static_cast<uint64_t>((flat.storage_offset() + off + n) * es) <= flat.storage().nbytes(),
-              "zeroshard: flat range [", off, ", ", off + n, ") lies beyond its storage of ",
-              flat.storage().nbytes(), " bytes (was its storage freed?)");
+           "zeroshard: flat range [", off, ", ", off + n, ") lies beyond its storage of ",
+           flat.storage().nbytes(), " bytes (was its storage freed?)");
 }
 
-// Borrowed from the Python objects, which the binding keeps alive: taking
-// std::vector<at::Tensor> through pybind costs ~65 ns per tensor, more than
-// copying a small parameter.
-using Tensors = std::vector<const at::Tensor*>;
-
-// Shared by flatten_into and flatten. Caller has validated everything, so no
-// error can surface after the first byte is written.
-void scatter_into_flat(const Tensors& tensors, const std::vector<int64_t>& offsets,
-                       const at::Tensor& flat, std::vector<Segment> segs) {
-  char* base = static_cast<char*>(flat.data_ptr());
-  const int64_t es = flat.element_size();
-  std::vector<size_t> strided;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    const at::Tensor& t = *tensors[i];
+void collect_runs(const std::vector<const at::Tensor*>& members, const std::vector<int64_t>& offsets,
+                  int64_t es, std::vector<Seg>& segs, std::vector<size_t>& strided) {
+  for (size_t i = 0; i < members.size(); ++i) {
+    const at::Tensor& t = *members[i];
     const int64_t nbytes = t.numel() * es;
     if (nbytes == 0) continue;
     if (!is_memcpyable(t)) {
       strided.push_back(i);
       continue;
     }
-    const char* src = static_cast<const char*>(t.const_data_ptr());
-    char* dst = base + offsets[i] * es;
-    if (src != dst) segs.push_back({src, dst, nbytes});  // src == dst: t is already in place
+    // mutable_data_ptr would bump nothing but is refused on inference tensors.
+    segs.push_back({const_cast<char*>(static_cast<const char*>(t.const_data_ptr())), offsets[i] * es, nbytes});
   }
-  copy_segments(segs, flat.device());
+}
+
+void copy_strided(const std::vector<const at::Tensor*>& members, const std::vector<int64_t>& offsets,
+                  const std::vector<size_t>& strided, const at::Tensor& flat, bool to_flat) {
+  if (strided.empty()) return;
   at::NoGradGuard no_grad;  // raw data movement, like the memcpy path: no autograd history
   for (size_t i : strided) {
-    const at::Tensor& t = *tensors[i];
-    flat.narrow(0, offsets[i], t.numel()).view(t.sizes()).copy_(t);
+    const at::Tensor& t = *members[i];
+    at::Tensor part = flat.narrow(0, offsets[i], t.numel()).view(t.sizes());
+    if (to_flat) {
+      part.copy_(t);
+    } else {
+      t.copy_(part);
+    }
   }
+}
+
+namespace {
+
+// Borrowed from the Python objects, which the binding keeps alive: taking
+// std::vector<at::Tensor> through pybind costs ~65 ns per tensor, more than
+// copying a small parameter.
+using Tensors = std::vector<const at::Tensor*>;
+
+bool all_plain(const Tensors& ts) {
+  return std::all_of(ts.begin(), ts.end(), [](const at::Tensor* t) { return is_plain(*t); });
+}
+
+// Caller has validated everything, so no error can surface after the first
+// byte is written. `segs` may already hold zero-fill runs (flatten's padding).
+void scatter_into_flat(const Tensors& tensors, const std::vector<int64_t>& offsets,
+                       const at::Tensor& flat, std::vector<Seg> segs) {
+  std::vector<size_t> strided;
+  collect_runs(tensors, offsets, flat.element_size(), segs, strided);
+  copy_runs(segs, flat, /*to_flat=*/true);
+  copy_strided(tensors, offsets, strided, flat, /*to_flat=*/true);
 }
 
 bool flatten_into(const Tensors& tensors, const std::vector<int64_t>& offsets,
                   const at::Tensor& flat) {
   check_flat(flat);
   ZS_CHECK_VALUE(tensors.size() == offsets.size(), "zeroshard: got ", tensors.size(),
-                    " tensors but ", offsets.size(), " offsets");
-  if (!is_plain(flat)) return false;
-  for (const at::Tensor* t : tensors) {
-    if (!is_plain(*t)) return false;
-  }
+                 " tensors but ", offsets.size(), " offsets");
+  if (!is_plain(flat) || !all_plain(tensors)) return false;
   for (size_t i = 0; i < tensors.size(); ++i) check_member("tensors", i, *tensors[i], offsets[i], flat);
   if (tensors.empty()) return true;
   flat.unsafeGetTensorImpl()->bump_version();  // in-place write, as copy_ would record
@@ -226,11 +177,9 @@ std::optional<at::Tensor> flatten(const Tensors& tensors, const std::vector<int6
                                   int64_t total_numel) {
   ZS_CHECK_VALUE(!tensors.empty(), "zeroshard: flatten needs at least one tensor");
   ZS_CHECK_VALUE(tensors.size() == offsets.size(), "zeroshard: got ", tensors.size(),
-                    " tensors but ", offsets.size(), " offsets");
+                 " tensors but ", offsets.size(), " offsets");
   ZS_CHECK_VALUE(total_numel >= 0, "zeroshard: total_numel must be >= 0, got ", total_numel);
-  for (const at::Tensor* t : tensors) {
-    if (!is_plain(*t)) return std::nullopt;
-  }
+  if (!all_plain(tensors)) return std::nullopt;
   at::Tensor flat = at::empty({total_numel}, tensors[0]->options());
   for (size_t i = 0; i < tensors.size(); ++i) check_member("tensors", i, *tensors[i], offsets[i], flat);
 
@@ -244,12 +193,11 @@ std::optional<at::Tensor> flatten(const Tensors& tensors, const std::vector<int6
   }
   std::sort(ranges.begin(), ranges.end());
   ranges.emplace_back(total_numel, total_numel);  // sentinel: trailing padding
-  char* base = static_cast<char*>(flat.data_ptr());
   const int64_t es = flat.element_size();
-  std::vector<Segment> gaps;
+  std::vector<Seg> gaps;
   int64_t covered = 0;
   for (const auto& [lo, hi] : ranges) {
-    if (lo > covered) gaps.push_back({nullptr, base + covered * es, (lo - covered) * es});
+    if (lo > covered) gaps.push_back({nullptr, covered * es, (lo - covered) * es});
     covered = std::max(covered, hi);
   }
   scatter_into_flat(tensors, offsets, flat, std::move(gaps));
@@ -260,38 +208,17 @@ bool unflatten_into(const at::Tensor& flat, const std::vector<int64_t>& offsets,
                     const Tensors& outs) {
   check_flat(flat);
   ZS_CHECK_VALUE(outs.size() == offsets.size(), "zeroshard: got ", outs.size(),
-                    " outputs but ", offsets.size(), " offsets");
-  if (!is_plain(flat)) return false;
-  for (const at::Tensor* t : outs) {
-    if (!is_plain(*t)) return false;
-  }
+                 " outputs but ", offsets.size(), " offsets");
+  if (!is_plain(flat) || !all_plain(outs)) return false;
   for (size_t i = 0; i < outs.size(); ++i) check_member("outs", i, *outs[i], offsets[i], flat);
   for (const at::Tensor* o : outs) {
     if (o->numel() > 0) o->unsafeGetTensorImpl()->bump_version();
   }
-
-  const char* base = static_cast<const char*>(flat.const_data_ptr());
-  const int64_t es = flat.element_size();
-  std::vector<Segment> segs;
+  std::vector<Seg> segs;
   std::vector<size_t> strided;
-  for (size_t i = 0; i < outs.size(); ++i) {
-    const at::Tensor& o = *outs[i];
-    const int64_t nbytes = o.numel() * es;
-    if (nbytes == 0) continue;
-    if (!is_memcpyable(o)) {
-      strided.push_back(i);
-      continue;
-    }
-    const char* src = base + offsets[i] * es;
-    char* dst = static_cast<char*>(o.data_ptr());
-    if (src != dst) segs.push_back({src, dst, nbytes});
-  }
-  copy_segments(segs, flat.device());
-  at::NoGradGuard no_grad;
-  for (size_t i : strided) {
-    const at::Tensor& o = *outs[i];
-    o.copy_(flat.narrow(0, offsets[i], o.numel()).view(o.sizes()));
-  }
+  collect_runs(outs, offsets, flat.element_size(), segs, strided);
+  copy_runs(segs, flat, /*to_flat=*/false);
+  copy_strided(outs, offsets, strided, flat, /*to_flat=*/false);
   return true;
 }
 
@@ -300,7 +227,7 @@ std::optional<std::vector<at::Tensor>> unflatten(const at::Tensor& flat,
                                                  const std::vector<std::vector<int64_t>>& shapes) {
   check_flat(flat);
   ZS_CHECK_VALUE(shapes.size() == offsets.size(), "zeroshard: got ", shapes.size(),
-                    " shapes but ", offsets.size(), " offsets");
+                 " shapes but ", offsets.size(), " offsets");
   if (!is_plain(flat)) return std::nullopt;
   for (size_t i = 0; i < shapes.size(); ++i) {
     for (int64_t d : shapes[i]) {
@@ -318,7 +245,7 @@ std::optional<std::vector<at::Tensor>> unflatten(const at::Tensor& flat,
 
 // --- Python bindings -------------------------------------------------------
 // Arguments are unpacked by hand while holding the GIL (borrowed tensor
-// pointers pinned by a tuple of the inputs); the copy itself runs without it.
+// pointers pinned by the sequence object); the copy itself runs without it.
 
 struct PyTensors {
   py::object pin;  // owns a reference to every tensor in `ptrs`
@@ -326,17 +253,18 @@ struct PyTensors {
 };
 
 PyTensors unpack_tensors(py::handle seq, const char* what) {
-  PyTensors out{py::reinterpret_steal<py::object>(PySequence_Tuple(seq.ptr())), {}};
+  // A list or tuple comes back as itself (no copy), anything else as a list.
+  PyTensors out{py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), "expected a sequence")), {}};
   if (!out.pin) throw py::error_already_set();
-  const Py_ssize_t n = PyTuple_GET_SIZE(out.pin.ptr());
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(out.pin.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(out.pin.ptr());
   out.ptrs.reserve(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    PyObject* o = PyTuple_GET_ITEM(out.pin.ptr(), i);
-    if (!THPVariable_Check(o)) {
+    if (!THPVariable_Check(items[i])) {
       throw py::type_error(std::string("zeroshard: ") + what + "[" + std::to_string(i) +
                            "] is not a Tensor");
     }
-    out.ptrs.push_back(&THPVariable_Unpack(o));
+    out.ptrs.push_back(&THPVariable_Unpack(items[i]));
   }
   return out;
 }
@@ -411,8 +339,10 @@ py::object py_unflatten(const at::Tensor& flat, py::handle offsets, py::handle s
 }
 
 }  // namespace
+}  // namespace zeroshard
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace zeroshard;
   m.doc() = "zeroshard batched flatten/unflatten kernels; use zeroshard.ext instead";
   m.def("flatten_into", &py_flatten_into,
         "Returns False without writing if a tensor needs the Python path.");
@@ -420,6 +350,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unflatten_into", &py_unflatten_into,
         "Returns False without writing if a tensor needs the Python path.");
   m.def("unflatten", &py_unflatten, "Returns None if a tensor needs the Python path.");
+  bind_plan(m);
 #ifdef ZEROSHARD_WITH_CUDA
   m.attr("has_cuda") = true;
 #else

@@ -58,6 +58,11 @@ class _Partition:
         entries = [(None, "", str(i), p) for i, p in enumerate(params)]
         self.layout: FlatLayout = build_layout(entries, [], world, rank, align_numel=0)
         self.offsets = [info.offset for info in self.layout.params]
+        # Every step writes the updated parameters back from the gathered flat
+        # buffer: the same tensors each time, so the copy table is checked once.
+        # The plan holds the Parameters themselves (not .detach() aliases), so
+        # a later `p.data = ...` is seen and rebuilds it.
+        self.write_back = ext.CopyPlan(params, self.offsets)
         flat = ext.flatten([p.detach().float() for p in params], self.offsets, self.layout.numel)
         device = master_device or params[0].device
         self.master = nn.Parameter(shard_of(flat, self.layout).to(device), requires_grad=True)
@@ -172,7 +177,7 @@ class ZeroOneOptimizer:
 
     @staticmethod
     def _write_params(part: _Partition, full: torch.Tensor) -> None:
-        ext.unflatten_into(full.to(part.params[0].dtype), part.offsets, [p.detach() for p in part.params])
+        part.write_back.unflatten_into(full.to(part.params[0].dtype))
 
     def zero_grad(self) -> None:
         for part in self.parts:

@@ -1,0 +1,170 @@
+// CopyPlan: the flatten/unflatten of a FIXED list of tensors, validated once
+// and replayed.
+//
+// A FlatParamHandle copies the same parameters (or their gradients' buffers)
+// into and out of a flat buffer every step. The one-shot calls in flatten.cpp
+// pay per tensor, per call, to unpack Python objects, re-check dtype, device,
+// bounds and storage, and (on CUDA) to ship the run table to the GPU: ~100 ns
+// a tensor, more than copying a 4 KB parameter. A plan keeps the tensors, the
+// checked run table (on the GPU: uploaded, with a chunk index so blocks skip
+// the search) and a snapshot of every tensor's storage. A replay re-checks the
+// snapshot (a few loads per tensor, no Python) and the flat buffer (O(1));
+// any change (a tensor re-pointed with .data= or set_(), a storage resized or
+// freed, another dtype or device for flat) rebuilds the table with the full
+// checks, so a stale plan can never copy to or from the wrong bytes.
+#include "runs.h"
+
+#include <mutex>
+
+namespace zeroshard {
+namespace {
+
+// What a run was built from. Equal snapshot => the tensor's bytes are where
+// the table says, and still as many.
+struct Snapshot {
+  const c10::StorageImpl* storage;
+  const void* data;
+  size_t storage_nbytes;
+  int64_t storage_offset;
+  int64_t numel;
+  caffe2::TypeMeta dtype;
+  c10::DispatchKeySet keys;  // conj/neg/zero-tensor bits, subclass key
+  bool contiguous;
+
+  static Snapshot of(const at::Tensor& t) {
+    const c10::TensorImpl* i = t.unsafeGetTensorImpl();
+    const c10::StorageImpl* s = i->has_storage() ? i->unsafe_storage().unsafeGetStorageImpl() : nullptr;
+    return {s, s ? s->data() : nullptr, s ? s->nbytes() : 0, i->storage_offset(), i->numel(),
+            i->dtype(), i->key_set(), i->is_contiguous()};
+  }
+  bool operator==(const Snapshot& o) const {
+    return storage == o.storage && data == o.data && storage_nbytes == o.storage_nbytes &&
+           storage_offset == o.storage_offset && numel == o.numel && dtype == o.dtype &&
+           keys == o.keys && contiguous == o.contiguous;
+  }
+};
+
+class Plan {
+ public:
+  Plan(std::vector<at::Tensor> tensors, std::vector<int64_t> offsets)
+      : tensors_(std::move(tensors)), offsets_(std::move(offsets)) {
+    ZS_CHECK_VALUE(tensors_.size() == offsets_.size(), "zeroshard: got ", tensors_.size(),
+                   " tensors but ", offsets_.size(), " offsets");
+    for (const at::Tensor& t : tensors_) ptrs_.push_back(&t);
+  }
+
+  // False (nothing written) when a tensor or flat needs the pure-torch path.
+  bool run(const at::Tensor& flat, bool to_flat) {
+    std::lock_guard<std::mutex> lock(mu_);
+    check_flat(flat);
+    if (!is_plain(flat)) return false;
+    if (!fresh(flat) && !rebuild(flat)) return false;
+    // O(1) bounds for flat: every member lies below need_ elements.
+    const int64_t es = flat.element_size();
+    if (need_ > flat.numel() ||
+        static_cast<uint64_t>((flat.storage_offset() + need_) * es) > flat.storage().nbytes()) {
+      check_all(flat);  // names the first member out of bounds
+    }
+    if (tensors_.empty()) return true;
+    if (to_flat) {
+      flat.unsafeGetTensorImpl()->bump_version();  // in-place write, as copy_ would record
+    } else {
+      for (const at::Tensor& t : tensors_) {
+        if (t.numel() > 0) t.unsafeGetTensorImpl()->bump_version();
+      }
+    }
+    char* base = static_cast<char*>(flat.data_ptr());
+    if (!segs_.empty()) {
+      if (flat.device().is_cpu()) {
+        copy_runs_cpu(segs_, prefix_, base, to_flat);
+      } else {
+#ifdef ZEROSHARD_WITH_CUDA
+        launch_runs_cuda(cuda_, base, to_flat, flat.device());
+#endif
+      }
+    }
+    copy_strided(ptrs_, offsets_, strided_, flat, to_flat);
+    return true;
+  }
+
+  int64_t rebuilds() const { return rebuilds_; }
+  size_t size() const { return tensors_.size(); }
+
+ private:
+  // The table still describes these tensors for a flat buffer like this one.
+  bool fresh(const at::Tensor& flat) const {
+    if (!built_ || flat.scalar_type() != dtype_ || flat.device() != device_) return false;
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      if (!(Snapshot::of(tensors_[i]) == snaps_[i])) return false;
+    }
+    return true;
+  }
+
+  void check_all(const at::Tensor& flat) const {
+    for (size_t i = 0; i < tensors_.size(); ++i) check_member("tensors", i, tensors_[i], offsets_[i], flat);
+  }
+
+  bool rebuild(const at::Tensor& flat) {
+    built_ = false;
+    for (const at::Tensor& t : tensors_) {
+      if (!is_plain(t)) return false;
+    }
+    check_all(flat);
+    segs_.clear();
+    strided_.clear();
+    snaps_.clear();
+    need_ = 0;
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      snaps_.push_back(Snapshot::of(tensors_[i]));
+      need_ = std::max(need_, offsets_[i] + tensors_[i].numel());
+    }
+    collect_runs(ptrs_, offsets_, flat.element_size(), segs_, strided_);
+    prefix_ = payload_prefix(segs_);
+#ifdef ZEROSHARD_WITH_CUDA
+    cuda_ = flat.device().is_cuda() && !segs_.empty() ? upload_runs_cuda(segs_, flat.device()) : CudaRuns{};
+#endif
+    dtype_ = flat.scalar_type();
+    device_ = flat.device();
+    built_ = true;
+    ++rebuilds_;
+    return true;
+  }
+
+  std::vector<at::Tensor> tensors_;  // owned: the plan keeps their storages alive
+  std::vector<const at::Tensor*> ptrs_;
+  std::vector<int64_t> offsets_;
+  std::mutex mu_;
+  bool built_ = false;
+  int64_t rebuilds_ = 0;
+  c10::ScalarType dtype_ = at::kFloat;
+  at::Device device_ = at::kCPU;
+  int64_t need_ = 0;  // elements of flat the members reach
+  std::vector<Snapshot> snaps_;
+  std::vector<Seg> segs_;
+  std::vector<int64_t> prefix_;
+  std::vector<size_t> strided_;
+#ifdef ZEROSHARD_WITH_CUDA
+  CudaRuns cuda_;
+#endif
+};
+
+}  // namespace
+
+void bind_plan(py::module& m) {
+  py::class_<Plan>(m, "Plan", "A validated, replayable flatten/unflatten; use zeroshard.ext.CopyPlan")
+      .def(py::init<std::vector<at::Tensor>, std::vector<int64_t>>())
+      .def("flatten_into",
+           [](Plan& p, const at::Tensor& flat) {
+             py::gil_scoped_release nogil;
+             return p.run(flat, /*to_flat=*/true);
+           })
+      .def("unflatten_into",
+           [](Plan& p, const at::Tensor& flat) {
+             py::gil_scoped_release nogil;
+             return p.run(flat, /*to_flat=*/false);
+           })
+      .def_property_readonly("rebuilds", &Plan::rebuilds)
+      .def("__len__", &Plan::size);
+}
+
+}  // namespace zeroshard

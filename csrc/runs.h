@@ -1,0 +1,128 @@
+// Shared by flatten.cpp, plan.cpp and flatten_cuda.cu: the byte-run table that
+// every flatten/unflatten call of zeroshard._C reduces to, the checks that
+// make raw copies safe, and the error helpers.
+//
+// A run is one contiguous piece of a tensor and where it sits in the flat
+// buffer (the FlatParameter or flat gradient). Runs name the flat side by a
+// byte offset, not an address, so one table serves any flat buffer of the
+// right size and a CopyPlan can replay it against a new one.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+namespace zeroshard {
+
+struct Seg {
+  char* ext;       // the tensor's bytes; nullptr: zero-fill the flat range (padding)
+  int64_t rel;     // byte offset of the run in the flat buffer
+  int64_t nbytes;  // > 0
+};
+
+// Copies every run: tensor -> flat (to_flat) or flat -> tensor. Runs whose two
+// sides are the same address (a parameter that already views the flat buffer)
+// cost a no-op copy, which is harmless.
+void copy_runs_cpu(const std::vector<Seg>& segs, const std::vector<int64_t>& prefix, char* flat,
+                   bool to_flat);
+// prefix[i] = payload bytes before run i; prefix.back() = total.
+std::vector<int64_t> payload_prefix(const std::vector<Seg>& segs);
+
+#ifdef ZEROSHARD_WITH_CUDA
+// flatten_cuda.cu. One kernel launch on the current stream.
+void copy_runs_cuda(const std::vector<Seg>& segs, char* flat, bool to_flat, const at::Device& device);
+
+// A run table uploaded once (with a chunk -> first run index, so warps need
+// no search) and launched many times: CopyPlan's CUDA form.
+struct CudaRuns {
+  at::Tensor table;  // int64 on the device: 3 per run (ext, rel, start), then 1 per chunk
+  int64_t nruns = 0, total = 0, chunk = 0;  // total: payload bytes
+  unsigned grid = 0;
+  c10::Stream stream{c10::Stream::DEFAULT, at::Device(at::kCPU)};  // the upload's stream
+};
+CudaRuns upload_runs_cuda(const std::vector<Seg>& segs, const at::Device& device);
+void launch_runs_cuda(const CudaRuns& runs, char* flat, bool to_flat, const at::Device& device);
+#endif
+
+// --- errors ------------------------------------------------------------------
+// Messages are assembled with std::to_string, not c10::str's ostream: a CUDA
+// build with a newer host g++ than torch's crashed inside inlined ostream code
+// while formatting one. pybind turns value_error into Python's ValueError and
+// std::runtime_error into RuntimeError.
+inline std::string piece(const char* s) { return s; }
+inline std::string piece(const std::string& s) { return s; }
+inline std::string piece(long v) { return std::to_string(v); }
+inline std::string piece(unsigned long v) { return std::to_string(v); }
+inline std::string piece(long long v) { return std::to_string(v); }
+inline std::string piece(int v) { return std::to_string(v); }
+inline std::string piece(c10::ScalarType t) { return c10::toString(t); }
+inline std::string piece(const at::Device& d) { return d.str(); }
+inline std::string piece(at::Layout l) {
+  return l == at::kStrided ? "Strided" : "non-strided #" + std::to_string(static_cast<int>(l));
+}
+inline std::string piece(at::IntArrayRef a) {
+  std::string s = "[";
+  for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
+  return s + "]";
+}
+template <typename... A>
+std::string cat(const A&... parts) {
+  std::string s;
+  ((s += piece(parts)), ...);
+  return s;
+}
+#define ZS_CHECK_VALUE(cond, ...)                                        \
+  do {                                                                   \
+    if (!(cond)) throw pybind11::value_error(::zeroshard::cat(__VA_ARGS__)); \
+  } while (0)
+#define ZS_CHECK(cond, ...)                                                 \
+  do {                                                                      \
+    if (!(cond)) throw std::runtime_error(::zeroshard::cat(__VA_ARGS__));   \
+  } while (0)
+
+// --- what may be copied raw ----------------------------------------------------
+
+inline bool device_supported(const at::Device& d) {
+#ifdef ZEROSHARD_WITH_CUDA
+  return d.is_cpu() || d.is_cuda();
+#else
+  return d.is_cpu();
+#endif
+}
+
+// Tensor subclasses (__torch_dispatch__, e.g. FakeTensor/DTensor) have no raw
+// memory we may touch: the caller falls back to the pure-torch path.
+inline bool is_plain(const at::Tensor& t) {
+  return !t.key_set().has(c10::DispatchKey::Python) && device_supported(t.device());
+}
+
+// Row-major memory whose bytes are the logical values (a conj/neg view's
+// bytes are not), so a memcpy is exact.
+inline bool is_memcpyable(const at::Tensor& t) {
+  return t.is_contiguous() && !t.is_conj() && !t.is_neg() && !t._is_zerotensor();
+}
+
+void check_flat(const at::Tensor& flat);
+// A member (source of flatten, destination of unflatten) against the flat
+// buffer: layout, dtype, device, bounds, and that both storages still hold
+// the bytes a raw copy will touch.
+void check_member(const char* what, size_t i, const at::Tensor& t, int64_t off,
+                  const at::Tensor& flat);
+
+// Runs for the memcpy-able members; appends the others' indices to `strided`
+// (they go through at::Tensor::copy_). Validated members only.
+void collect_runs(const std::vector<const at::Tensor*>& members, const std::vector<int64_t>& offsets,
+                  int64_t element_size, std::vector<Seg>& segs, std::vector<size_t>& strided);
+
+// copy_ for the members that are not plain row-major memory.
+void copy_strided(const std::vector<const at::Tensor*>& members, const std::vector<int64_t>& offsets,
+                  const std::vector<size_t>& strided, const at::Tensor& flat, bool to_flat);
+
+void copy_runs(const std::vector<Seg>& segs, const at::Tensor& flat, bool to_flat);
+
+void bind_plan(pybind11::module& m);  // plan.cpp
+
+}  // namespace zeroshard
