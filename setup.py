@@ -44,12 +44,14 @@ def _extension_setup():
             "zeroshard._C",
             sources + ["csrc/flatten_cuda.cu"],
             define_macros=[("ZEROSHARD_WITH_CUDA", None)],
+            depends=["csrc/runs.h"],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
             extra_link_args=link,
         )
     else:
         ext = cpp_extension.CppExtension(
-            "zeroshard._C", sources, extra_compile_args={"cxx": cxx}, extra_link_args=link
+            "zeroshard._C", sources, depends=["csrc/runs.h"], extra_compile_args={"cxx": cxx},
+            extra_link_args=link,
         )
 
     class OptionalBuildExt(cpp_extension.BuildExtension):
