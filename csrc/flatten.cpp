@@ -79,34 +79,47 @@ void check_flat(const at::Tensor& flat) {
                  " strides ", flat.strides());
 }
 
-void check_member(const char* what, size_t i, const at::Tensor& t, int64_t off,
-                  const at::Tensor& flat) {
-  ZS_CHECK_VALUE(t.layout() == at::kStrided, "zeroshard: ", what, "[", i,
-                 "] must be a strided tensor, got layout ", t.layout());
-  ZS_CHECK_VALUE(t.scalar_type() == flat.scalar_type(), "zeroshard: ", what, "[", i,
-                 "] has dtype ", t.scalar_type(), " but flat has dtype ", flat.scalar_type());
-  ZS_CHECK_VALUE(t.device() == flat.device(), "zeroshard: ", what, "[", i, "] is on ",
-                 t.device(), " but flat is on ", flat.device());
-  const int64_t n = t.numel();
-  ZS_CHECK_VALUE(off >= 0 && off <= flat.numel() - n, "zeroshard: ", what, "[", i, "] range [",
-                 off, ", ", off + n, ") is out of bounds for flat of numel ", flat.numel());
-  if (n == 0) return;
-  // Raw pointers bypass torch's storage bounds checks, and a storage freed
-  // with resize_(0) (as FSDP does on reshard) still hands out data_ptr() 0.
-  const int64_t es = t.element_size();
-  int64_t last = t.storage_offset() + n - 1;  // last element reached, in elements
-  if (!t.is_contiguous()) {
-    last = t.storage_offset();
-    const auto sizes = t.sizes();
-    const auto strides = t.strides();
-    for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
+void check_members(const char* what, const std::vector<const at::Tensor*>& members,
+                   const std::vector<int64_t>& offsets, const at::Tensor& flat) {
+  // flat's side is read once: this loop runs per tensor per call.
+  const c10::ScalarType dtype = flat.scalar_type();
+  const at::Device device = flat.device();
+  const int64_t numel = flat.numel();
+  const int64_t es = flat.element_size();
+  int64_t reach = 0;  // elements of flat the members cover
+  for (size_t i = 0; i < members.size(); ++i) {
+    const at::Tensor& t = *members[i];
+    const int64_t off = offsets[i];
+    ZS_CHECK_VALUE(t.layout() == at::kStrided, "zeroshard: ", what, "[", i,
+                   "] must be a strided tensor, got layout ", t.layout());
+    ZS_CHECK_VALUE(t.scalar_type() == dtype, "zeroshard: ", what, "[", i, "] has dtype ",
+                   t.scalar_type(), " but flat has dtype ", dtype);
+    ZS_CHECK_VALUE(t.device() == device, "zeroshard: ", what, "[", i, "] is on ", t.device(),
+                   " but flat is on ", device);
+    const int64_t n = t.numel();
+    ZS_CHECK_VALUE(off >= 0 && off <= numel - n, "zeroshard: ", what, "[", i, "] range [", off,
+                   ", ", off + n, ") is out of bounds for flat of numel ", numel);
+    if (n == 0) continue;
+    reach = std::max(reach, off + n);
+    // Raw pointers bypass torch's storage bounds checks, and a storage freed
+    // with resize_(0) (as FSDP does on reshard) still hands out data_ptr() 0.
+    int64_t last = t.storage_offset() + n - 1;  // last element reached, in elements
+    if (!t.is_contiguous()) {
+      last = t.storage_offset();
+      const auto sizes = t.sizes();
+      const auto strides = t.strides();
+      for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
+    }
+    const size_t have = t.storage().nbytes();
+    ZS_CHECK(static_cast<uint64_t>((last + 1) * es) <= have, "zeroshard: ", what, "[", i,
+             "] reaches byte ", (last + 1) * es, " of a storage of ", have,
+             " bytes (was its storage freed?)");
   }
-  ZS_CHECK(static_cast<uint64_t>((last + 1) * es) <= t.storage().nbytes(), "zeroshard: ", what,
-           "[", i, "] reaches byte ", (last + 1) * es, " of a storage of ", t.storage().nbytes(),
+  if (reach == 0) return;
+  const size_t have = flat.storage().nbytes();
+  ZS_CHECK(static_cast<uint64_t>((flat.storage_offset() + reach) * es) <= have,
+           "zeroshard: flat elements [0, ", reach, ") lie beyond its storage of ", have,
            " bytes (was its storage freed?)");
-  ZS_CHECK(static_cast<uint64_t>((flat.storage_offset() + off + n) * es) <= flat.storage().nbytes(),
-           "zeroshard: flat range [", off, ", ", off + n, ") lies beyond its storage of ",
-           flat.storage().nbytes(), " bytes (was its storage freed?)");
 }
 
 void collect_runs(const std::vector<const at::Tensor*>& members, const std::vector<int64_t>& offsets,
@@ -166,7 +179,7 @@ bool flatten_into(const Tensors& tensors, const std::vector<int64_t>& offsets,
   ZS_CHECK_VALUE(tensors.size() == offsets.size(), "zeroshard: got ", tensors.size(),
                  " tensors but ", offsets.size(), " offsets");
   if (!is_plain(flat) || !all_plain(tensors)) return false;
-  for (size_t i = 0; i < tensors.size(); ++i) check_member("tensors", i, *tensors[i], offsets[i], flat);
+  check_members("tensors", tensors, offsets, flat);
   if (tensors.empty()) return true;
   flat.unsafeGetTensorImpl()->bump_version();  // in-place write, as copy_ would record
   scatter_into_flat(tensors, offsets, flat, {});
@@ -181,7 +194,7 @@ std::optional<at::Tensor> flatten(const Tensors& tensors, const std::vector<int6
   ZS_CHECK_VALUE(total_numel >= 0, "zeroshard: total_numel must be >= 0, got ", total_numel);
   if (!all_plain(tensors)) return std::nullopt;
   at::Tensor flat = at::empty({total_numel}, tensors[0]->options());
-  for (size_t i = 0; i < tensors.size(); ++i) check_member("tensors", i, *tensors[i], offsets[i], flat);
+  check_members("tensors", tensors, offsets, flat);
 
   // Zero only the gaps between (sorted) covered ranges, in the same parallel
   // pass as the copies, instead of a separate full-buffer memset.
@@ -210,7 +223,7 @@ bool unflatten_into(const at::Tensor& flat, const std::vector<int64_t>& offsets,
   ZS_CHECK_VALUE(outs.size() == offsets.size(), "zeroshard: got ", outs.size(),
                  " outputs but ", offsets.size(), " offsets");
   if (!is_plain(flat) || !all_plain(outs)) return false;
-  for (size_t i = 0; i < outs.size(); ++i) check_member("outs", i, *outs[i], offsets[i], flat);
+  check_members("outs", outs, offsets, flat);
   for (const at::Tensor* o : outs) {
     if (o->numel() > 0) o->unsafeGetTensorImpl()->bump_version();
   }

@@ -19,6 +19,8 @@
 // * one-shot calls with up to ~1300 runs pass it in the kernel's parameter
 //   space (CUDA >= 12.1 allows 32 KB): no host-to-device copy, no staging
 //   buffer. A warp finds its first run by binary search in the constant bank.
+//   Measured on an H100 with 1000 runs: 43 us of host time a call this way,
+//   80 us when the table is staged in pinned memory and uploaded instead.
 // * CopyPlan (and bigger one-shot calls) upload it once, followed by the
 //   first run of every chunk, so a warp starts copying after one load.
 //

@@ -101,7 +101,7 @@ class Plan {
   }
 
   void check_all(const at::Tensor& flat) const {
-    for (size_t i = 0; i < tensors_.size(); ++i) check_member("tensors", i, tensors_[i], offsets_[i], flat);
+    check_members("tensors", ptrs_, offsets_, flat);
   }
 
   bool rebuild(const at::Tensor& flat) {

@@ -106,11 +106,11 @@ inline bool is_memcpyable(const at::Tensor& t) {
 }
 
 void check_flat(const at::Tensor& flat);
-// A member (source of flatten, destination of unflatten) against the flat
+// Members (sources of flatten, destinations of unflatten) against the flat
 // buffer: layout, dtype, device, bounds, and that both storages still hold
 // the bytes a raw copy will touch.
-void check_member(const char* what, size_t i, const at::Tensor& t, int64_t off,
-                  const at::Tensor& flat);
+void check_members(const char* what, const std::vector<const at::Tensor*>& members,
+                   const std::vector<int64_t>& offsets, const at::Tensor& flat);
 
 // Runs for the memcpy-able members; appends the others' indices to `strided`
 // (they go through at::Tensor::copy_). Validated members only.
