@@ -79,9 +79,11 @@ void check_flat(const at::Tensor& flat) {
                  " strides ", flat.strides());
 }
 
-void check_members(const char* what, const std::vector<const at::Tensor*>& members,
-                   const std::vector<int64_t>& offsets, const at::Tensor& flat) {
-  // flat's side is read once: this loop runs per tensor per call.
+void check_and_collect(const char* what, const std::vector<const at::Tensor*>& members,
+                       const std::vector<int64_t>& offsets, const at::Tensor& flat,
+                       std::vector<Seg>& segs, std::vector<size_t>& strided) {
+  // One pass, flat's side read once: this loop runs per tensor per call, and
+  // each extra pass over 1000 tensors re-reads their TensorImpls.
   const c10::ScalarType dtype = flat.scalar_type();
   const at::Device device = flat.device();
   const int64_t numel = flat.numel();
@@ -114,27 +116,18 @@ void check_members(const char* what, const std::vector<const at::Tensor*>& membe
     ZS_CHECK(static_cast<uint64_t>((last + 1) * es) <= have, "zeroshard: ", what, "[", i,
              "] reaches byte ", (last + 1) * es, " of a storage of ", have,
              " bytes (was its storage freed?)");
+    if (is_memcpyable(t)) {
+      // mutable_data_ptr would bump nothing but is refused on inference tensors.
+      segs.push_back({const_cast<char*>(static_cast<const char*>(t.const_data_ptr())), off * es, n * es});
+    } else {
+      strided.push_back(i);
+    }
   }
   if (reach == 0) return;
   const size_t have = flat.storage().nbytes();
   ZS_CHECK(static_cast<uint64_t>((flat.storage_offset() + reach) * es) <= have,
            "zeroshard: flat elements [0, ", reach, ") lie beyond its storage of ", have,
            " bytes (was its storage freed?)");
-}
-
-void collect_runs(const std::vector<const at::Tensor*>& members, const std::vector<int64_t>& offsets,
-                  int64_t es, std::vector<Seg>& segs, std::vector<size_t>& strided) {
-  for (size_t i = 0; i < members.size(); ++i) {
-    const at::Tensor& t = *members[i];
-    const int64_t nbytes = t.numel() * es;
-    if (nbytes == 0) continue;
-    if (!is_memcpyable(t)) {
-      strided.push_back(i);
-      continue;
-    }
-    // mutable_data_ptr would bump nothing but is refused on inference tensors.
-    segs.push_back({const_cast<char*>(static_cast<const char*>(t.const_data_ptr())), offsets[i] * es, nbytes});
-  }
 }
 
 void copy_strided(const std::vector<const at::Tensor*>& members, const std::vector<int64_t>& offsets,
@@ -163,26 +156,19 @@ bool all_plain(const Tensors& ts) {
   return std::all_of(ts.begin(), ts.end(), [](const at::Tensor* t) { return is_plain(*t); });
 }
 
-// Caller has validated everything, so no error can surface after the first
-// byte is written. `segs` may already hold zero-fill runs (flatten's padding).
-void scatter_into_flat(const Tensors& tensors, const std::vector<int64_t>& offsets,
-                       const at::Tensor& flat, std::vector<Seg> segs) {
-  std::vector<size_t> strided;
-  collect_runs(tensors, offsets, flat.element_size(), segs, strided);
-  copy_runs(segs, flat, /*to_flat=*/true);
-  copy_strided(tensors, offsets, strided, flat, /*to_flat=*/true);
-}
-
 bool flatten_into(const Tensors& tensors, const std::vector<int64_t>& offsets,
                   const at::Tensor& flat) {
   check_flat(flat);
   ZS_CHECK_VALUE(tensors.size() == offsets.size(), "zeroshard: got ", tensors.size(),
                  " tensors but ", offsets.size(), " offsets");
   if (!is_plain(flat) || !all_plain(tensors)) return false;
-  check_members("tensors", tensors, offsets, flat);
+  std::vector<Seg> segs;
+  std::vector<size_t> strided;
+  check_and_collect("tensors", tensors, offsets, flat, segs, strided);  // no write before this
   if (tensors.empty()) return true;
   flat.unsafeGetTensorImpl()->bump_version();  // in-place write, as copy_ would record
-  scatter_into_flat(tensors, offsets, flat, {});
+  copy_runs(segs, flat, /*to_flat=*/true);
+  copy_strided(tensors, offsets, strided, flat, /*to_flat=*/true);
   return true;
 }
 
@@ -194,7 +180,9 @@ std::optional<at::Tensor> flatten(const Tensors& tensors, const std::vector<int6
   ZS_CHECK_VALUE(total_numel >= 0, "zeroshard: total_numel must be >= 0, got ", total_numel);
   if (!all_plain(tensors)) return std::nullopt;
   at::Tensor flat = at::empty({total_numel}, tensors[0]->options());
-  check_members("tensors", tensors, offsets, flat);
+  std::vector<Seg> segs;
+  std::vector<size_t> strided;
+  check_and_collect("tensors", tensors, offsets, flat, segs, strided);
 
   // Zero only the gaps between (sorted) covered ranges, in the same parallel
   // pass as the copies, instead of a separate full-buffer memset.
@@ -207,13 +195,13 @@ std::optional<at::Tensor> flatten(const Tensors& tensors, const std::vector<int6
   std::sort(ranges.begin(), ranges.end());
   ranges.emplace_back(total_numel, total_numel);  // sentinel: trailing padding
   const int64_t es = flat.element_size();
-  std::vector<Seg> gaps;
   int64_t covered = 0;
   for (const auto& [lo, hi] : ranges) {
-    if (lo > covered) gaps.push_back({nullptr, covered * es, (lo - covered) * es});
+    if (lo > covered) segs.push_back({nullptr, covered * es, (lo - covered) * es});
     covered = std::max(covered, hi);
   }
-  scatter_into_flat(tensors, offsets, flat, std::move(gaps));
+  copy_runs(segs, flat, /*to_flat=*/true);
+  copy_strided(tensors, offsets, strided, flat, /*to_flat=*/true);
   return flat;
 }
 
@@ -223,13 +211,12 @@ bool unflatten_into(const at::Tensor& flat, const std::vector<int64_t>& offsets,
   ZS_CHECK_VALUE(outs.size() == offsets.size(), "zeroshard: got ", outs.size(),
                  " outputs but ", offsets.size(), " offsets");
   if (!is_plain(flat) || !all_plain(outs)) return false;
-  check_members("outs", outs, offsets, flat);
+  std::vector<Seg> segs;
+  std::vector<size_t> strided;
+  check_and_collect("outs", outs, offsets, flat, segs, strided);
   for (const at::Tensor* o : outs) {
     if (o->numel() > 0) o->unsafeGetTensorImpl()->bump_version();
   }
-  std::vector<Seg> segs;
-  std::vector<size_t> strided;
-  collect_runs(outs, offsets, flat.element_size(), segs, strided);
   copy_runs(segs, flat, /*to_flat=*/false);
   copy_strided(outs, offsets, strided, flat, /*to_flat=*/false);
   return true;

@@ -101,8 +101,11 @@ class Plan {
     return true;
   }
 
+  // Raises the one-shot call's error for the first member that does not fit flat.
   void check_all(const at::Tensor& flat) const {
-    check_members("tensors", ptrs_, offsets_, flat);
+    std::vector<Seg> segs;
+    std::vector<size_t> strided;
+    check_and_collect("tensors", ptrs_, offsets_, flat, segs, strided);
   }
 
   bool rebuild(const at::Tensor& flat) {
@@ -110,16 +113,15 @@ class Plan {
     for (const at::Tensor& t : tensors_) {
       if (!is_plain(t)) return false;
     }
-    check_all(flat);
     segs_.clear();
     strided_.clear();
+    check_and_collect("tensors", ptrs_, offsets_, flat, segs_, strided_);
     snaps_.clear();
     need_ = 0;
     for (size_t i = 0; i < tensors_.size(); ++i) {
       snaps_.push_back(Snapshot::of(tensors_[i]));
       need_ = std::max(need_, offsets_[i] + tensors_[i].numel());
     }
-    collect_runs(ptrs_, offsets_, flat.element_size(), segs_, strided_);
     prefix_ = payload_prefix(segs_);
 #ifdef ZEROSHARD_WITH_CUDA
     cuda_ = flat.device().is_cuda() && !segs_.empty() ? upload_runs_cuda(segs_, flat.device()) : CudaRuns{};

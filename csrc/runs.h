@@ -106,16 +106,14 @@ inline bool is_memcpyable(const at::Tensor& t) {
 }
 
 void check_flat(const at::Tensor& flat);
-// Members (sources of flatten, destinations of unflatten) against the flat
-// buffer: layout, dtype, device, bounds, and that both storages still hold
-// the bytes a raw copy will touch.
-void check_members(const char* what, const std::vector<const at::Tensor*>& members,
-                   const std::vector<int64_t>& offsets, const at::Tensor& flat);
-
-// Runs for the memcpy-able members; appends the others' indices to `strided`
-// (they go through at::Tensor::copy_). Validated members only.
-void collect_runs(const std::vector<const at::Tensor*>& members, const std::vector<int64_t>& offsets,
-                  int64_t element_size, std::vector<Seg>& segs, std::vector<size_t>& strided);
+// Checks members (sources of flatten, destinations of unflatten) against the
+// flat buffer: layout, dtype, device, bounds, and that both storages still
+// hold the bytes a raw copy will touch. Appends a run for each memcpy-able
+// member to `segs` and the others' indices to `strided` (they go through
+// at::Tensor::copy_). Raises before anything is written.
+void check_and_collect(const char* what, const std::vector<const at::Tensor*>& members,
+                       const std::vector<int64_t>& offsets, const at::Tensor& flat,
+                       std::vector<Seg>& segs, std::vector<size_t>& strided);
 
 // copy_ for the members that are not plain row-major memory.
 void copy_strided(const std::vector<const at::Tensor*>& members, const std::vector<int64_t>& offsets,
