@@ -127,10 +127,25 @@ def _full_param_copies(root) -> dict[int, torch.Tensor]:
     return copies
 
 
-def _buffer_value(v, keep_vars: bool):
-    # Buffers cast for mixed precision are saved in their original dtype.
+def _upcast_buffer_ids(root) -> set[int]:
+    """Buffers a FULL/SHARDED state dict saves in their original dtype.
+
+    torch FSDP1 upcasts a buffer cast by ``buffer_dtype`` in the state-dict hook
+    of each unit that holds it, but that hook returns early for a unit without
+    parameters of its own. So a buffer comes back upcast only when some unit
+    containing it has a FlatParameter; e.g. a root whose parameters all sit in
+    nested units leaves its own buffers in ``buffer_dtype``. zeroshard matches.
+    """
+    ids = set()
+    for u in units_of(root):
+        if u._handle is not None:
+            ids.update(id(b) for b in u.buffers())
+    return ids
+
+
+def _buffer_value(v, keep_vars: bool, upcast: bool):
     orig = getattr(v, "_zeroshard_orig_dtype", None)
-    if orig is not None:
+    if orig is not None and upcast:
         return v.detach().to(orig)
     return v if keep_vars else v.detach()
 
@@ -142,8 +157,10 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
             return {}, set()
         with plain_module_behaviour():
             raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
+            upcast = _upcast_buffer_ids(root)
         copies = _full_param_copies(root)
-        out = {clean_key(k): copies.get(id(v)) if id(v) in copies else _buffer_value(v, keep_vars) for k, v in raw.items()}
+        out = {clean_key(k): copies[id(v)] if id(v) in copies else _buffer_value(v, keep_vars, id(v) in upcast)
+               for k, v in raw.items()}
         return out, {clean_key(k) for k, v in raw.items() if isinstance(v, nn.Parameter)}
 
 
