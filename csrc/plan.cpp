@@ -6,7 +6,7 @@
 // pay per tensor, per call, to unpack Python objects, re-check dtype, device,
 // bounds and storage, and (on CUDA) to ship the run table to the GPU: ~100 ns
 // a tensor, more than copying a 4 KB parameter. A plan keeps the tensors, the
-// checked run table (on the GPU: uploaded, with a chunk index so blocks skip
+// checked run table (on the GPU: uploaded, with a chunk index so warps skip
 // the search) and a snapshot of every tensor's storage. A replay re-checks the
 // snapshot (a few loads per tensor, no Python) and the flat buffer (O(1));
 // any change (a tensor re-pointed with .data= or set_(), a storage resized or
@@ -89,7 +89,6 @@ class Plan {
   }
 
   int64_t rebuilds() const { return rebuilds_; }
-  size_t size() const { return tensors_.size(); }
 
  private:
   // The table still describes these tensors for a flat buffer like this one.
@@ -166,8 +165,7 @@ void bind_plan(py::module& m) {
              py::gil_scoped_release nogil;
              return p.run(flat, /*to_flat=*/false);
            })
-      .def_property_readonly("rebuilds", &Plan::rebuilds)
-      .def("__len__", &Plan::size);
+      .def_property_readonly("rebuilds", &Plan::rebuilds);
 }
 
 }  // namespace zeroshard
