@@ -23,6 +23,7 @@ DEFAULTS = dict(
     model="mlp", strategy="FULL_SHARD", use_orig_params=False, backward_prefetch="BACKWARD_PRE",
     forward_prefetch=False, limit_all_gathers=True, policy="module", steps=3, accum=2, clip=0.05,
     no_sync=False, lr=1e-2, min_num_params=100, model_kwargs={}, mp=None, hybrid=None, optim="adamw",
+    comm_hook=None,
 )
 
 
@@ -98,6 +99,54 @@ def _wrap(engine, model, case):
     return cls(model, auto_wrap_policy=_policy(lib, case), **kw)
 
 
+def sum_hook(state, grad, output=None):
+    """A custom hook: sums instead of averaging (so ignoring the hook shows)."""
+    import torch.distributed as dist
+
+    if output is None:
+        dist.all_reduce(grad, group=state)
+    else:
+        dist.reduce_scatter_single(output, grad, group=state)
+
+
+def _torch_compress_hook(dtype):
+    """torch's fp16/bf16_compress_hook without its last step: on CPU it calls
+    record_stream on a CPU stream and raises "unknown parameter type". The
+    arithmetic (cast, pre-divide, collective, post-divide, cast back) is
+    torch's own: its reduce_scatter_hook / allreduce_hook."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks as th
+
+    def hook(state, grad, output=None):
+        grad.data = grad.data.to(dtype)
+        if output is None:
+            th.allreduce_hook(state, grad)
+            grad.data = grad.data.to(state.parameter_type)
+        else:
+            output.data = output.data.to(dtype)
+            th.reduce_scatter_hook(state, grad, output)
+            output.data = output.data.to(state.parameter_type)
+
+    return hook
+
+
+def _register_hook(engine, model, case):
+    """case["comm_hook"]: "default" (torch's reduce_scatter_hook / allreduce_hook on
+    both engines), "zeroshard" (torch's hooks on torch, zeroshard's own on
+    zeroshard), "bf16" / "fp16" (zeroshard's compression hooks against torch's
+    arithmetic, see _torch_compress_hook), "sum" (a custom hook)."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks as th
+
+    name, pg = case["comm_hook"], model.process_group
+    if name == "sum":
+        return model.register_comm_hook(pg, sum_hook)
+    lib = zs.comm_hooks if engine == "zeroshard" and name != "default" else th
+    if name in ("bf16", "fp16"):
+        hook = getattr(lib, f"{name}_compress_hook") if engine == "zeroshard" else _torch_compress_hook(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[name]))
+        return model.register_comm_hook(lib.LowPrecisionState(pg), hook)
+    hook = lib.allreduce_hook if case["strategy"] == "NO_SHARD" else lib.reduce_scatter_hook
+    model.register_comm_hook(lib.DefaultState(pg), hook)
+
+
 def _grads_equal(where, named_a, named_b):
     for (na, a), (nb, b) in zip(named_a, named_b):
         assert na == nb, f"{where}: parameter names differ: {na} vs {nb}"
@@ -115,6 +164,9 @@ def run_case(rank: int, world_size: int, overrides: dict) -> dict:
         base = build(case["model"], **case["model_kwargs"])
         ref = _wrap("torch", copy.deepcopy(base), case)
         ours = _wrap("zeroshard", copy.deepcopy(base), case)
+        if case["comm_hook"] is not None:
+            _register_hook("torch", ref, case)
+            _register_hook("zeroshard", ours, case)
     names_ref = [n for n, _ in ref.named_parameters()]
     names_ours = [n for n, _ in ours.named_parameters()]
     assert names_ref == names_ours, f"named_parameters differ:\n{names_ref}\n{names_ours}"

@@ -8,6 +8,7 @@ The package reads in lifecycle order:
   flat_param  -> a unit's parameters as one padded 1-D buffer (+ layout math)
   handle      -> shard / unshard (all-gather) / reshard (free) of that buffer
   reduce      -> reduce-scatter of the flat gradient, torch's divide factors
+  comm_hooks  -> register_comm_hook: replace the gradient collective (compression hooks)
   bucket      -> small units: bucketed reductions (bucket_cap_mb), persistent units
   quantize    -> ZeRO++ qwZ: int8 block-quantized all-gather (Int8BlockQuant)
   hpz         -> ZeRO++ hpZ: secondary shards, backward all-gather within a group
@@ -15,6 +16,7 @@ The package reads in lifecycle order:
   hooks       -> when each step runs in forward / backward, and prefetch
   wrap        -> which submodules become units (auto-wrap policies)
   fully_sharded -> the FullyShardedDataParallel module itself
+  mixed_precision -> buffer and forward-input casts (the FlatParameter casts are in handle)
   validation  -> checks before sharding (dtype, requires_grad, same layout on all ranks)
   grad_norm   -> clip_grad_norm_ over shards
   state_dict  -> summon_full_params, full, local and sharded (DCP) state dicts
@@ -36,7 +38,7 @@ The package reads in lifecycle order:
   testing     -> rank pools, assert_parity vs torch FSDP1 (python -m zeroshard.testing), hypothesis strategies
   examples    -> runnable tutorials (python -m zeroshard.examples.<name>); docs/walkthrough.md
 """
-from . import bucket, checkpoint, hpz, quantize, trace, wrap
+from . import bucket, checkpoint, comm_hooks, hpz, quantize, trace, wrap
 from .accelerate_config import from_accelerate_config
 from .comm import comm_stats
 from .engine import Engine, initialize
@@ -70,6 +72,7 @@ __all__ = [
     "LocalStateDictConfig",
     "ShardedStateDictConfig",
     "wrap",
+    "comm_hooks",
     "comm_stats",
     "ext_backend",
     "unsharded_tracker",

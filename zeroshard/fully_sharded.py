@@ -16,13 +16,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import groups, hooks, materialize, optim_load, optim_state
+from . import comm_hooks, groups, hooks, materialize, optim_load, optim_state
 from . import state_dict as sd
 from .bucket import unit_strategy
 from .flat_param import FlatParameter, collect_params
 from .grad_norm import clip_grad_norm_
 from .handle import FlatParamHandle
 from .hpz import SecondaryShards
+from .mixed_precision import cast_buffers, cast_floats, to_device
 from .options import BackwardPrefetch, CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
 from .wrap import auto_wrap
 
@@ -145,6 +146,7 @@ class FullyShardedDataParallel(nn.Module):
             # wrapped model alive forever.
             unit = weakref.ref(self)
             flat.register_post_accumulate_grad_hook(lambda p: hooks.post_backward(unit(), p))
+        self._comm_hook = self._comm_hook_state = None
         self._is_root: bool | None = None
         self._runtime: hooks.RootRuntime | None = None
         self._sync_gradients = True
@@ -170,7 +172,7 @@ class FullyShardedDataParallel(nn.Module):
                 )
             s._is_root = False
         self._is_root = True
-        _cast_buffers(states)
+        cast_buffers(states)
         runtime = hooks.RootRuntime(states)
         paths = {m: name for name, m in self.named_modules()}
         for s in states:
@@ -187,11 +189,11 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root:
             hooks.root_pre_forward(self)
             if self.compute_device.type != "cpu":
-                args, kwargs = _to_device((args, kwargs), self.compute_device)
+                args, kwargs = to_device((args, kwargs), self.compute_device)
             if mp.param_dtype is not None and mp.cast_root_forward_inputs:
-                args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+                args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         if mp.param_dtype is not None and mp.cast_forward_inputs:
-            args, kwargs = _cast_floats((args, kwargs), mp.param_dtype)
+            args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         hooks.pre_forward(self)
         output = self._fsdp_wrapped_module(*args, **kwargs)
         return hooks.post_forward(self, output)
@@ -211,6 +213,16 @@ class FullyShardedDataParallel(nn.Module):
         finally:
             for s, prev in zip(states, previous):
                 s._sync_gradients = prev
+
+    def check_is_root(self) -> bool:
+        """Whether this instance is the root (the first call makes the instance it is called on the root)."""
+        self._lazy_init()
+        return bool(self._is_root)
+
+    def register_comm_hook(self, state: object, hook) -> None:
+        """Replace every unit's gradient collective by ``hook`` (root only; see ``comm_hooks``):
+        ``hook(state, grad, output)`` for sharded units, ``hook(state, grad)`` for NO_SHARD ones."""
+        comm_hooks.register(self, [m for m in self.modules() if _is_unit(m)], state, hook)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all units by their global norm; returns that norm."""
@@ -339,40 +351,6 @@ def _compute_device(module: nn.Module, device_id, group) -> torch.device:
             "Fix: pass device_id=torch.cuda.current_device() or move the module to its GPU."
         )
     return device
-
-
-def _cast_buffers(states):
-    """Cast floating buffers to their unit's ``buffer_dtype`` (innermost unit
-    wins), remembering the original dtype for state dicts."""
-    seen = set()
-    for s in reversed(states):
-        dtype = s.mixed_precision.buffer_dtype
-        for buf in s.buffers():
-            if id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            if dtype is not None and torch.is_floating_point(buf) and buf.dtype != dtype:
-                buf._zeroshard_orig_dtype = buf.dtype
-                buf.data = buf.to(dtype)
-
-
-def _map_tensors(obj, fn):
-    """Apply ``fn`` to every tensor in nested lists, tuples and dicts of forward inputs."""
-    if torch.is_tensor(obj):
-        return fn(obj)
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
-    return obj
-
-
-def _cast_floats(obj, dtype):
-    return _map_tensors(obj, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
-
-
-def _to_device(obj, device):
-    return _map_tensors(obj, lambda t: t.to(device, non_blocking=True))
 
 
 def _reject_unsupported(mixed_precision, ignored_states, module):

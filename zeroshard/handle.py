@@ -118,6 +118,7 @@ class FlatParamHandle:
         self.grad_reduced = False
         self.quant = None  # an Int8BlockQuant: all-gather int8 blocks (see quantize)
         self.hpz = None  # SecondaryShards: gather for backward within a group (see hpz)
+        self.comm_hook = None  # (hook, state): replaces the gradient's collective (see comm_hooks)
         self.secondary: torch.Tensor | None = None
         if use_orig_params:
             self.use_sharded_views()

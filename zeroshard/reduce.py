@@ -20,7 +20,8 @@ accumulated, as torch FSDP1 does.
 The collectives are asynchronous: backward keeps computing the next unit while
 gloo/NCCL reduces this one; the root's end-of-backward callback waits for all
 of them (:func:`finish_reductions`). With ``bucket_cap_mb`` several units'
-gradients share one collective (see ``bucket``).
+gradients share one collective (see ``bucket``). A communication hook
+(``comm_hooks``) replaces the collective and both divisions for every unit.
 """
 from __future__ import annotations
 
@@ -111,6 +112,8 @@ def start_reduction(handle, bucketer: Bucketer | None = None) -> list[PendingRed
     pre, post = divide_factors(handle.world_size * replicas)
     if flat.grad.dtype != handle.reduce_dtype:
         flat.grad.data = flat.grad.data.to(handle.reduce_dtype)
+    if handle.comm_hook is not None:
+        return [_run_hook(handle)]
     if not handle.sharded:
         grad = flat.grad  # stays in .grad; all-reduced in place (unless bucketed)
         _div(grad, pre)
@@ -127,6 +130,37 @@ def start_reduction(handle, bucketer: Bucketer | None = None) -> list[PendingRed
         bucket.add(handle, grad, post)
         return [launch(bucket)]
     return [launch(b) for b in bucketer.add(handle, grad, post)]
+
+
+class HookedReduction:
+    """A unit's gradient already reduced by a communication hook (see
+    ``comm_hooks``): it only remains to hand it to the unit."""
+
+    def __init__(self, handle, out: torch.Tensor):
+        self.handle, self.out = handle, out
+
+    def finish(self):
+        _accumulate(self.handle, self.out, 1.0)  # the hook divided
+
+
+def _run_hook(handle) -> HookedReduction:
+    hook, state = handle.comm_hook
+    flat = handle.flat_param
+    if trace._active:
+        trace.span_begin(_kind(handle), handle.unit_name)
+    if handle.sharded:
+        grad = flat.grad.data
+        flat.grad = None  # as on the default path: a second backward writes a new tensor
+        pad = handle.layout.padded_numel - grad.numel()
+        grad = F.pad(grad, [0, pad]) if pad else grad
+        out = grad.new_empty(grad.numel() // handle.world_size)
+        hook(state, grad, out)
+    else:
+        hook(state, flat.grad)  # reduces .grad in place
+        out = flat.grad.data
+    if trace._active:
+        trace.span_end(_kind(handle), handle.unit_name)
+    return HookedReduction(handle, out.data)
 
 
 def launch(bucket: Bucket) -> PendingReduction:
