@@ -23,6 +23,7 @@ The package reads in lifecycle order:
   sharded_state -> SHARDED tensors: this rank's rows as DTensors (1-D, or 2-D for hybrid) for DCP
   optim_state -> optimizer state dicts: each unit's sharded states gathered (FULL) or cut into rows (SHARDED)
   optim_load  -> the inverse: a checkpoint's optimizer state cut back to this rank's shards
+  optim_legacy -> torch's older optimizer-state calls (shard_full_, scatter_full_, rekey_...)
   checkpoint  -> atomic checkpoint files and DCP directories; consolidate: DCP dir -> one file
   comm        -> the collectives, with byte accounting
   ext         -> optional C++/CUDA flatten/unflatten kernels
@@ -46,7 +47,14 @@ from .ext import ext_backend
 from .quantize import Int8BlockQuant
 from .fully_sharded import FSDP, FullyShardedDataParallel
 from .handle import unsharded_tracker
-from .optim_state import FullOptimStateDictConfig, OptimStateDictConfig, ShardedOptimStateDictConfig
+from .optim_legacy import OptimStateKeyType
+from .optim_state import (
+    FullOptimStateDictConfig,
+    LocalOptimStateDictConfig,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
+    StateDictSettings,
+)
 from .options import (
     BackwardPrefetch,
     CPUOffload,
@@ -80,6 +88,9 @@ __all__ = [
     "OptimStateDictConfig",
     "FullOptimStateDictConfig",
     "ShardedOptimStateDictConfig",
+    "LocalOptimStateDictConfig",
+    "StateDictSettings",
+    "OptimStateKeyType",
     "initialize",
     "Engine",
     "from_accelerate_config",

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm_hooks, groups, hooks, materialize, optim_load, optim_state
+from . import comm_hooks, groups, hooks, materialize, optim_legacy, optim_load, optim_state
 from . import state_dict as sd
 from .bucket import unit_strategy
 from .flat_param import FlatParameter, collect_params
@@ -288,7 +288,25 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def set_state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
+        """Set the state dict type of every unit in ``module``; returns the previous ``StateDictSettings``."""
+        previous = optim_state.state_dict_settings(module)
         sd.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        return previous
+
+    @staticmethod
+    def get_state_dict_type(module):
+        """The ``StateDictSettings`` (type, config, optimizer config) the units of ``module`` share."""
+        settings = optim_state.state_dict_settings(module)
+        if settings is None:
+            raise ValueError("zeroshard: get_state_dict_type: the module has no FullyShardedDataParallel unit.")
+        return settings
+
+    # torch's older optimizer-state API (see optim_legacy)
+    sharded_optim_state_dict = staticmethod(optim_legacy.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(optim_legacy.shard_full_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(optim_legacy.scatter_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(optim_legacy.flatten_sharded_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(optim_legacy.rekey_optim_state_dict)
 
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:

@@ -98,7 +98,8 @@ class _Rank0States:
         return {k: out[k] for k in spec}
 
 
-def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, group=None) -> dict:
+def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, group=None,
+                             rank0_only: bool | None = None) -> dict:
     """Turn an optimizer state dict from :func:`optim_state_dict` (FULL, or
     SHARDED rows: zeroshard's DTensors or torch FSDP1's ShardedTensors) into
     ``optim.load_state_dict``'s input for this rank.
@@ -106,8 +107,11 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     A FULL dict needs no communication; rows are all-gathered; with
     ``FullOptimStateDictConfig(rank0_only=True)`` set by ``state_dict_type``
     only rank 0's dict is read (other ranks may pass ``{}``) and broadcast.
+    ``rank0_only`` overrides that setting (torch's older API names it in the
+    call: ``optim_legacy``). ``optim`` may be anything with ``param_groups``.
     """
-    _, rank0_only = _settings(model)
+    if rank0_only is None:
+        rank0_only = _settings(model)[1]
     if rank0_only:
         source = _Rank0States(optim_state_dict, group, units_of(model)[0].compute_device)
     else:

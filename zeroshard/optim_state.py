@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .options import StateDictType
+from .options import StateDictConfig, StateDictType
 from .sharded_state import device_mesh, to_row_shard
 from .state_dict import clean_key, units_of
 
@@ -69,6 +69,44 @@ class FullOptimStateDictConfig(OptimStateDictConfig):
 @dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
     """States as DTensors of this rank's rows (see ``sharded_state``)."""
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    """The optimizer config paired with LOCAL_STATE_DICT (torch's name; no options used)."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class StateDictSettings:
+    """What ``state_dict_type`` set on a model's units (``FSDP.get_state_dict_type``)."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
+
+
+_DEFAULT_OPTIM_CONFIG = {StateDictType.FULL_STATE_DICT: FullOptimStateDictConfig,
+                         StateDictType.LOCAL_STATE_DICT: LocalOptimStateDictConfig,
+                         StateDictType.SHARDED_STATE_DICT: ShardedOptimStateDictConfig}
+
+
+def state_dict_settings(module: nn.Module) -> StateDictSettings | None:
+    """The units' common settings (an unset optimizer config reads as the
+    default for the type, as torch reports it); None without units. Raises if
+    the units disagree, since a state dict would then mix forms."""
+    found = None
+    for u in units_of(module):
+        optim_cfg = u.__dict__.get("_optim_state_dict_config") or _DEFAULT_OPTIM_CONFIG[u._state_dict_type]()
+        settings = StateDictSettings(u._state_dict_type, u._state_dict_config, optim_cfg)
+        if found is None:
+            found = settings
+        elif settings != found:
+            raise RuntimeError(f"zeroshard: the units of {type(module).__name__} have different state dict settings "
+                               f"({found} and {settings}). Fix: set them for the whole model with "
+                               "FSDP.set_state_dict_type(model, ...) on the root.")
+    return found
 
 
 def _settings(model: nn.Module) -> tuple[bool, bool]:

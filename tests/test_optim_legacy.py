@@ -1,0 +1,148 @@
+"""torch FSDP1's older optimizer-state calls and state-dict settings, against
+torch FSDP1 on the same trained models: shard_full_ / scatter_full_ /
+sharded_ / flatten_sharded_optim_state_dict give this rank's shards
+tensor-for-tensor equal to what the optimizer holds and to torch's;
+rekey_optim_state_dict equals torch's and round-trips through an unwrapped
+model's optimizer; get/set_state_dict_type report what torch reports."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed.fsdp as tfsdp
+
+import zeroshard as zs
+from models import build
+from parity import train_step as _step
+from parity import wrapped_with_adamw as _engines
+from test_checkpoint import _assert_local_equal, _assert_osd_equal, _torch_osd
+
+TF = tfsdp.FullyShardedDataParallel
+
+
+def _trained(rank, model_name, use_orig_params):
+    (ref, ours), (opt_ref, opt_ours) = _engines(model_name, use_orig_params)
+    for step in range(3):
+        for m, o in ((ref, opt_ref), (ours, opt_ours)):
+            _step(m, o, model_name, rank, step)
+    return ref, ours, opt_ref, opt_ours
+
+
+def _quiet(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch's deprecation warnings
+        return fn(*args, **kwargs)
+
+
+def _full_to_shards(rank, world_size, use_orig_params):
+    ref, ours, opt_ref, opt_ours = _trained(rank, "gpt", use_orig_params)
+    full_t = _torch_osd(ref, opt_ref)
+    full_z = zs.FSDP.full_optim_state_dict(ours, opt_ours, rank0_only=False)
+    local = opt_ours.state_dict()
+    shard_t = _quiet(TF.shard_full_optim_state_dict, full_t, ref, optim=opt_ref)
+    _assert_local_equal(shard_t, zs.FSDP.shard_full_optim_state_dict(full_t, ours, optim=opt_ours))
+    _assert_local_equal(local, zs.FSDP.shard_full_optim_state_dict(full_z, ours, optim=opt_ours))
+    # optim=None: the parameter order of model.parameters(), one param group.
+    _assert_local_equal(local, zs.FSDP.shard_full_optim_state_dict(full_z, ours))
+    # Rank 0 alone holds the dict; the others pass None and receive their shards.
+    _assert_local_equal(local, zs.FSDP.scatter_full_optim_state_dict(full_z if rank == 0 else None, ours, optim=opt_ours))
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_shard_and_scatter_full_optim_state_dict(ranks, use_orig_params):
+    assert all(ranks.run(3, _full_to_shards, use_orig_params))
+
+
+def _sharded_round_trip(rank, world_size, use_orig_params):
+    from torch.distributed.tensor import DTensor
+
+    ref, ours, opt_ref, opt_ours = _trained(rank, "mlp", use_orig_params)
+    rows = zs.FSDP.sharded_optim_state_dict(ours, opt_ours)
+    with zs.FSDP.state_dict_type(ours, zs.StateDictType.SHARDED_STATE_DICT):
+        expected = zs.FSDP.optim_state_dict(ours, opt_ours)
+    assert list(rows["state"]) == list(expected["state"]) and rows["param_groups"] == expected["param_groups"]
+    for fqn, st in expected["state"].items():
+        for k, v in st.items():
+            got = rows["state"][fqn][k]
+            if isinstance(v, DTensor):
+                assert isinstance(got, DTensor) and torch.equal(got.to_local(), v.to_local()), (fqn, k)
+            else:
+                assert torch.equal(got, v) if torch.is_tensor(v) else got == v, (fqn, k)
+    local = opt_ours.state_dict()
+    _assert_local_equal(local, zs.FSDP.flatten_sharded_optim_state_dict(rows, ours, opt_ours))
+    if not use_orig_params:  # torch's ShardedTensor rows (its CPU offload breaks use_orig_params, see test_checkpoint)
+        rows_t = _quiet(TF.sharded_optim_state_dict, ref, opt_ref)
+        _assert_local_equal(local, zs.FSDP.flatten_sharded_optim_state_dict(rows_t, ours, opt_ours))
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_sharded_optim_state_dict_round_trip(ranks, use_orig_params):
+    assert all(ranks.run(2, _sharded_round_trip, use_orig_params))
+
+
+def _rekey(rank, world_size):
+    ref, ours, opt_ref, opt_ours = _trained(rank, "mlp", False)
+    full = zs.FSDP.full_optim_state_dict(ours, opt_ours, rank0_only=False)
+    plain = build("mlp")
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    by_id_t = _quiet(TF.rekey_optim_state_dict, full, tfsdp.OptimStateKeyType.PARAM_ID, plain)
+    by_id = zs.FSDP.rekey_optim_state_dict(full, zs.OptimStateKeyType.PARAM_ID, plain)
+    assert list(by_id["state"]) == list(by_id_t["state"]) and sorted(by_id["state"]) == list(range(len(full["state"])))
+    assert by_id["param_groups"] == by_id_t["param_groups"]
+    assert all(by_id["state"][k] is by_id_t["state"][k] for k in by_id["state"])  # re-keyed, not copied
+    assert zs.FSDP.rekey_optim_state_dict(by_id, zs.OptimStateKeyType.PARAM_ID, plain) is by_id
+    plain_opt.load_state_dict(by_id)  # the unwrapped model's optimizer takes it
+    back = plain_opt.state_dict()
+    by_name_t = _quiet(TF.rekey_optim_state_dict, back, tfsdp.OptimStateKeyType.PARAM_NAME, plain)
+    by_name = zs.FSDP.rekey_optim_state_dict(back, tfsdp.OptimStateKeyType.PARAM_NAME, plain, optim=plain_opt)
+    assert list(by_name["state"]) == list(by_name_t["state"]) and by_name["param_groups"] == by_name_t["param_groups"]
+    _assert_osd_equal({"state": full["state"], "param_groups": by_name["param_groups"]}, by_name)
+    # ... and goes back into the wrapped model's optimizer shards.
+    _assert_local_equal(opt_ours.state_dict(), zs.FSDP.shard_full_optim_state_dict(by_name, ours, optim=opt_ours))
+    errors = []
+    for bad in ({"state": {0: {}, "a": {}}, "param_groups": []}, {"state": {"nope": {}}, "param_groups": [{"params": ["nope"]}]}):
+        try:
+            zs.FSDP.rekey_optim_state_dict(bad, zs.OptimStateKeyType.PARAM_ID, plain)
+        except ValueError as e:
+            errors.append(str(e))
+    assert len(errors) == 2 and "mix names and IDs" in errors[0] and "name no parameter" in errors[1], errors
+    return True
+
+
+def test_rekey_optim_state_dict_matches_torch(ranks):
+    assert all(ranks.run(2, _rekey))
+
+
+def _settings(rank, world_size):
+    (ref, ours), _ = _engines("gpt", False)
+    kinds = ["FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"]
+    for kind in kinds:
+        prev_t = _quiet(TF.set_state_dict_type, ref, getattr(tfsdp.StateDictType, kind))
+        prev_z = zs.FSDP.set_state_dict_type(ours, getattr(zs.StateDictType, kind))
+        for t, z in ((prev_t, prev_z), (TF.get_state_dict_type(ref), zs.FSDP.get_state_dict_type(ours))):
+            assert t.state_dict_type.name == z.state_dict_type.name
+            assert type(t.state_dict_config).__name__ == type(z.state_dict_config).__name__
+            assert type(t.optim_state_dict_config).__name__ == type(z.optim_state_dict_config).__name__
+            assert t.state_dict_config.offload_to_cpu == z.state_dict_config.offload_to_cpu
+            assert t.optim_state_dict_config.offload_to_cpu == z.optim_state_dict_config.offload_to_cpu
+    cfg = zs.FullOptimStateDictConfig(rank0_only=True)
+    with zs.FSDP.state_dict_type(ours, zs.StateDictType.FULL_STATE_DICT, None, cfg):
+        assert zs.FSDP.get_state_dict_type(ours).optim_state_dict_config is cfg
+    inner = zs.FSDP.fsdp_modules(ours)[1]
+    zs.FSDP.set_state_dict_type(inner, zs.StateDictType.LOCAL_STATE_DICT)
+    try:
+        zs.FSDP.get_state_dict_type(ours)
+    except RuntimeError as e:
+        assert "different state dict settings" in str(e)
+    else:
+        raise AssertionError("units with different settings were not refused")
+    assert ours.check_is_root() and ref.check_is_root()
+    assert not inner.check_is_root() and not TF.fsdp_modules(ref)[1].check_is_root()
+    return True
+
+
+def test_state_dict_settings_match_torch(ranks):
+    assert all(ranks.run(2, _settings))

@@ -1,0 +1,114 @@
+"""torch FSDP1's older optimizer-state API, expressed through ``optim_state``
+(gather) and ``optim_load`` (cut back to this rank's shards).
+
+torch deprecated these in favour of ``optim_state_dict`` /
+``optim_state_dict_to_load`` but scripts still call them; each one here is
+the new API with the form named in the call instead of taken from
+``state_dict_type``:
+
+  sharded_optim_state_dict          optim_state_dict, SHARDED rows
+  shard_full_optim_state_dict       optim_state_dict_to_load of a FULL dict held by every rank
+  scatter_full_optim_state_dict     ... of a FULL dict held by rank 0 only (broadcast)
+  flatten_sharded_optim_state_dict  ... of a SHARDED dict (rows all-gathered)
+
+``rekey_optim_state_dict`` converts between the two key types of optimizer
+state dicts: parameter names (FQNs, what FSDP saves) and parameter IDs (what
+``torch.optim.Optimizer.state_dict`` of an unwrapped model uses).
+"""
+from __future__ import annotations
+
+import copy
+import enum
+from types import SimpleNamespace
+
+import torch
+import torch.nn as nn
+
+from . import optim_load, optim_state
+
+
+class OptimStateKeyType(enum.Enum):
+    """The keys of an optimizer state dict's ``state``: parameter FQNs or IDs."""
+
+    PARAM_NAME = enum.auto()
+    PARAM_ID = enum.auto()
+
+
+def _optim_or_params(model: nn.Module, optim_input, optim):
+    """The optimizer, or (``optim=None``, as torch allows) a stand-in with one
+    param group of ``model.parameters()``, the order torch then assumes."""
+    if optim_input is not None:
+        raise ValueError("zeroshard: optim_input is not supported (deprecated in torch too). Fix: pass optim=the optimizer.")
+    if optim is not None:
+        return optim
+    return SimpleNamespace(param_groups=[{"params": list(model.parameters())}])
+
+
+def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group=None) -> dict:
+    """The optimizer state dict as this rank's rows (DTensors), whatever the state dict type."""
+    return optim_state._optim_state_dict(model, optim, None, group, rank0_only=False, sharded=True)
+
+
+def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module, optim_input=None, optim=None) -> dict:
+    """A FULL optimizer state dict (held by every rank) cut to this rank's shards; no communication."""
+    target = _optim_or_params(model, optim_input, optim)
+    return optim_load.optim_state_dict_to_load(model, target, full_optim_state_dict, rank0_only=False)
+
+
+def scatter_full_optim_state_dict(full_optim_state_dict: dict | None, model: nn.Module, optim_input=None, optim=None,
+                                  group=None) -> dict:
+    """Like :func:`shard_full_optim_state_dict`, but only rank 0 holds the dict
+    (others pass None or {}): its states are broadcast one at a time."""
+    target = _optim_or_params(model, optim_input, optim)
+    return optim_load.optim_state_dict_to_load(model, target, full_optim_state_dict, group, rank0_only=True)
+
+
+def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict, model: nn.Module, optim) -> dict:
+    """A SHARDED optimizer state dict (zeroshard's DTensor rows or torch's
+    ShardedTensors) cut to this rank's shards (collective: rows are all-gathered)."""
+    return optim_load.optim_state_dict_to_load(model, optim, sharded_optim_state_dict, rank0_only=False)
+
+
+def _param_names(model: nn.Module) -> dict[int, str]:
+    """id(parameter) -> FQN in the plain model; a FlatParameter is named by
+    its first parameter, as torch does."""
+    index = optim_state._param_index(model)
+    return {pid: names[0] if kind == "flat" else names for pid, (kind, _, _, names) in index.items()}
+
+
+def rekey_optim_state_dict(optim_state_dict: dict, optim_state_key_type: OptimStateKeyType, model: nn.Module,
+                           optim_input=None, optim=None) -> dict:
+    """``optim_state_dict`` with its parameter keys turned into names or IDs.
+
+    IDs number the optimizer's parameters across its param groups (or
+    ``model.parameters()`` when ``optim`` is None); names are the plain
+    model's FQNs. A dict already keyed that way is returned as is.
+    """
+    kind = getattr(optim_state_key_type, "name", None)  # torch's OptimStateKeyType works too
+    if kind not in ("PARAM_NAME", "PARAM_ID"):
+        raise ValueError(f"zeroshard: optim_state_key_type must be OptimStateKeyType.PARAM_NAME or PARAM_ID, "
+                         f"got {optim_state_key_type!r}.")
+    keys = list(optim_state_dict["state"])
+    if not (all(type(k) is str for k in keys) or all(type(k) is int for k in keys)):
+        raise ValueError(f"zeroshard: rekey_optim_state_dict: the state keys mix names and IDs: {keys[:6]}. "
+                         "Fix: pass a dict from one optimizer or one FSDP optim_state_dict call.")
+    want_names = kind == "PARAM_NAME"
+    if all(type(k) is (str if want_names else int) for k in keys):
+        return optim_state_dict
+    params = optim_state._optim_params(_optim_or_params(model, optim_input, optim))
+    names = _param_names(model)
+    id_to_name = []
+    for pid, p in enumerate(params):
+        if id(p) not in names:
+            raise ValueError(f"zeroshard: rekey_optim_state_dict: parameter {pid} of the optimizer is not in the model. "
+                             "Fix: pass the model the optimizer was built over.")
+        id_to_name.append(names[id(p)])
+    mapping = dict(enumerate(id_to_name)) if want_names else {n: i for i, n in enumerate(id_to_name)}
+    missing = [k for k in keys + [k for g in optim_state_dict["param_groups"] for k in g["params"]] if k not in mapping]
+    if missing:
+        raise ValueError(f"zeroshard: rekey_optim_state_dict: keys {missing[:3]} name no parameter of this "
+                         "model/optimizer. Fix: pass the model (and optimizer) the dict was saved from.")
+    groups = copy.deepcopy(optim_state_dict["param_groups"])
+    for g in groups:
+        g["params"] = sorted(mapping[k] for k in g["params"])
+    return {"state": {mapping[k]: v for k, v in optim_state_dict["state"].items()}, "param_groups": groups}
