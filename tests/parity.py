@@ -23,7 +23,7 @@ DEFAULTS = dict(
     model="mlp", strategy="FULL_SHARD", use_orig_params=False, backward_prefetch="BACKWARD_PRE",
     forward_prefetch=False, limit_all_gathers=True, policy="module", steps=3, accum=2, clip=0.05,
     no_sync=False, lr=1e-2, min_num_params=100, model_kwargs={}, mp=None, hybrid=None, optim="adamw",
-    comm_hook=None,
+    comm_hook=None, ignored=(),
 )
 
 
@@ -79,6 +79,8 @@ def _wrap(engine, model, case):
         cls, lib, enums, extra = tfsdp.FullyShardedDataParallel, twrap, tfsdp, {"device_id": torch.device("cpu")}
     else:
         cls, lib, enums, extra = zs.FullyShardedDataParallel, zs.wrap, zs, {}
+    if case["ignored"]:  # FQNs of parameters kept out of sharding (ignored_states)
+        extra["ignored_states"] = [model.get_parameter(n) for n in case["ignored"]]
     if case["hybrid"] is not None:  # "tuple" | "mesh" | "group_size" (zeroshard only; torch gets the tuple)
         extra.update(_hybrid_groups(engine, case["hybrid"]))
     mp = case["mp"]

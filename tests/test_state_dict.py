@@ -85,9 +85,10 @@ def _summon(rank, world_size, use_orig_params):
         m(batch("mlp", rank, 0)).sum().backward()
     kw = dict(with_grads=True) if use_orig_params else {}
     with tfsdp.FullyShardedDataParallel.summon_full_params(ref, **kw), zs.FSDP.summon_full_params(ours, **kw):
-        named_ref = [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in ref.named_parameters()]
-        named_ours = [(n.replace("_fsdp_wrapped_module.", ""), p) for n, p in ours.named_parameters()]
-        assert [n for n, _ in named_ref] == [n for n, _ in named_ours]
+        named_ref, named_ours = list(ref.named_parameters()), list(ours.named_parameters())
+        # Inside the block both engines name parameters as the plain model does.
+        assert [n for n, _ in named_ref] == [n for n, _ in named_ours] == [n for n, _ in build("mlp").named_parameters()]
+        assert [n for n, _ in ref.named_buffers()] == [n for n, _ in ours.named_buffers()]
         for (n, a), (_, b) in zip(named_ref, named_ours):
             assert a.shape == b.shape and torch.equal(a, b), n
             if use_orig_params:

@@ -95,11 +95,12 @@ class FlatLayout:
         return [p.fqn for p in self.params]
 
 
-def collect_params(root: nn.Module, skip: set[nn.Module]):
+def collect_params(root: nn.Module, skip: set[nn.Module], ignored_params=frozenset()):
     """The (module, name, fqn, param) entries a unit rooted at ``root`` owns.
 
     Modules in ``skip`` (nested units, ignored modules) are not entered: their
-    parameters belong elsewhere. Order is ``named_modules()`` order, which is
+    parameters belong elsewhere; ``ignored_params`` (``ignored_states``) stay
+    ordinary parameters of their modules. Order is ``named_modules()`` order, which is
     the order torch FSDP1 flattens in. Returns (entries, aliases) where an
     alias is a repeated reference to an entry's parameter.
     """
@@ -107,7 +108,7 @@ def collect_params(root: nn.Module, skip: set[nn.Module]):
 
     def visit(module: nn.Module, prefix: str):
         for name, param in module._parameters.items():
-            if param is None:
+            if param is None or param in ignored_params:
                 continue
             fqn = prefix + name
             if param in seen:

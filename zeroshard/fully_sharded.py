@@ -64,7 +64,7 @@ class FullyShardedDataParallel(nn.Module):
     ):
         super().__init__()
         strategy = sharding_strategy or (ShardingStrategy.HYBRID_SHARD if fsdp_group_size else ShardingStrategy.FULL_SHARD)
-        _reject_unsupported(mixed_precision, ignored_states, module)
+        ignored_modules, ignored_params = _split_ignored(ignored_modules, ignored_states, module)
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError(
                 "zeroshard: the module is already a FullyShardedDataParallel unit; wrapping it again would "
@@ -105,12 +105,13 @@ class FullyShardedDataParallel(nn.Module):
                 process_group=(shard_group, replicate_group) if replicate_group is not None else shard_group,
                 sharding_strategy=strategy, backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params, device_id=device_id,
-                ignored_modules=ignored_modules, mixed_precision=mixed_precision, cpu_offload=cpu_offload,
+                ignored_modules=ignored_modules, ignored_states=list(ignored_params) or None,
+                mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                 param_init_fn=param_init_fn, sync_module_states=sync_module_states,
                 bucket_cap_mb=bucket_cap_mb, param_persistence_threshold=param_persistence_threshold,
                 quantized_all_gather=quantized_all_gather, hpz_group_size=hpz_group_size,
             )
-            auto_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(m, **unit_kwargs), ignored, _is_unit)
+            auto_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(m, **unit_kwargs), ignored, _is_unit, ignored_params)
         self._fsdp_wrapped_module = module
         self._ignored_modules = ignored
 
@@ -119,9 +120,9 @@ class FullyShardedDataParallel(nn.Module):
 
         materialize.materialize(module, outside_unit, self.compute_device, param_init_fn)
         if sync_module_states:
-            materialize.sync_module_states(module, outside_unit, [shard_group, replicate_group])
+            materialize.sync_module_states(module, outside_unit, [shard_group, replicate_group], ignored_params)
         nested = {m for m in module.modules() if _is_unit(m)}
-        entries, aliases = collect_params(module, skip=nested | ignored)
+        entries, aliases = collect_params(module, skip=nested | ignored, ignored_params=ignored_params)
         _check_unowned(entries, type(module).__name__)
         self._handle = None
         if entries:
@@ -147,6 +148,7 @@ class FullyShardedDataParallel(nn.Module):
             unit = weakref.ref(self)
             flat.register_post_accumulate_grad_hook(lambda p: hooks.post_backward(unit(), p))
         self._comm_hook = self._comm_hook_state = None
+        self._summoning = 0  # > 0 inside summon_full_params
         self._is_root: bool | None = None
         self._runtime: hooks.RootRuntime | None = None
         self._sync_gradients = True
@@ -313,6 +315,17 @@ class FullyShardedDataParallel(nn.Module):
         units = [m for m in module.modules() if _is_unit(m)]
         return [u for u in units if u._is_root] if root_only else units
 
+    def named_parameters(self, *args, **kwargs):
+        """``nn.Module``'s, but inside ``summon_full_params`` the names are the
+        plain model's (no ``_fsdp_wrapped_module.``), as in torch FSDP1."""
+        for name, p in super().named_parameters(*args, **kwargs):
+            yield (name.replace(FSDP_WRAPPED_MODULE + ".", "") if self._summoning else name), p
+
+    def named_buffers(self, *args, **kwargs):
+        """As :meth:`named_parameters`, for buffers."""
+        for name, b in super().named_buffers(*args, **kwargs):
+            yield (name.replace(FSDP_WRAPPED_MODULE + ".", "") if self._summoning else name), b
+
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
@@ -371,16 +384,22 @@ def _compute_device(module: nn.Module, device_id, group) -> torch.device:
     return device
 
 
-def _reject_unsupported(mixed_precision, ignored_states, module):
-    unsupported = {
-        "ignored_states": ignored_states is not None,
-    }
-    for name, bad in unsupported.items():
-        if bad:
-            raise ValueError(
-                f"zeroshard: FullyShardedDataParallel({type(module).__name__}): {name}= is not supported yet. "
-                f"Fix: leave {name} at its default (use ignored_modules instead of ignored_states)."
-            )
+def _split_ignored(ignored_modules, ignored_states, module):
+    """torch FSDP1's ``ignored_states``: modules (as ``ignored_modules``) or
+    parameters (kept out of every FlatParameter: replicated, not reduced)."""
+    if ignored_states is None:
+        return ignored_modules, frozenset()
+    if ignored_modules is not None:
+        raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): pass ignored_modules or "
+                         "ignored_states, not both. Fix: put the modules in ignored_states (or use ignored_modules alone).")
+    states = list(ignored_states)
+    if all(isinstance(s, nn.Module) for s in states):
+        return states, frozenset()
+    if all(isinstance(s, nn.Parameter) for s in states):
+        return None, frozenset(states)
+    raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_states must be all "
+                     f"nn.Parameters or all nn.Modules, got {sorted({type(s).__name__ for s in states})}. "
+                     "Fix: split them, passing one kind.")
 
 
 FSDP = FullyShardedDataParallel

@@ -120,11 +120,13 @@ class FlatParamHandle:
         self.hpz = None  # SecondaryShards: gather for backward within a group (see hpz)
         self.comm_hook = None  # (hook, state): replaces the gradient's collective (see comm_hooks)
         self.secondary: torch.Tensor | None = None
+        for info in (*self.layout.params, *self.layout.shared):
+            del info.module._parameters[info.name]
         if use_orig_params:
+            # Re-registered after whatever the unit does not manage (ignored
+            # parameters), so named_parameters() orders them as torch does.
             self.use_sharded_views()
         else:
-            for info in (*self.layout.params, *self.layout.shared):
-                del info.module._parameters[info.name]
             for p, info in zip(params, self.layout.params):
                 # Replaced by the FlatParameter: an optimizer stepping it trains nothing.
                 p._zeroshard_retired = f"{info.fqn} of unit '{unit_name}'"

@@ -62,11 +62,11 @@ def materialize(root: nn.Module, skip, device: torch.device, param_init_fn=None)
 
 
 @torch.no_grad()
-def sync_module_states(root: nn.Module, skip, groups) -> None:
-    """Broadcast the unit's parameters and buffers from the first rank of each group."""
+def sync_module_states(root: nn.Module, skip, groups, ignored_params=frozenset()) -> None:
+    """Broadcast the unit's parameters (not ``ignored_params``) and buffers from the first rank of each group."""
     tensors = []
     for m in unit_modules(root, skip):
-        tensors += [t for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))]
+        tensors += [t for t in m.parameters(recurse=False) if t not in ignored_params] + list(m.buffers(recurse=False))
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
     for t in dict.fromkeys(tensors):  # tied tensors once
         by_dtype[t.dtype].append(t)

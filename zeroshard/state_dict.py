@@ -87,6 +87,8 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
         # gradients (torch's state_dict / optim_state_dict reset it too).
         h.reset_grad_if_orig_grads_none()
     undo = []
+    for u in units:  # named_parameters() / named_buffers() drop the wrapper prefix meanwhile
+        u._summoning += 1
     with torch.no_grad():
         try:
             for h in handles:
@@ -98,6 +100,8 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
                     h.exit_full_params(False, u)
             yield
         finally:
+            for u in units:
+                u._summoning -= 1
             while undo:
                 h, u = undo.pop()
                 h.exit_full_params(writeback, u)

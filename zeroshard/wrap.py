@@ -63,16 +63,18 @@ class ModuleWrapPolicy:
         return f"ModuleWrapPolicy({[c.__name__ for c in self._module_classes]})"
 
 
-def auto_wrap(module: nn.Module, policy: Callable, make_unit: Callable[[nn.Module], nn.Module], ignored: set, is_unit) -> None:
+def auto_wrap(module: nn.Module, policy: Callable, make_unit: Callable[[nn.Module], nn.Module], ignored: set, is_unit,
+              ignored_params=frozenset()) -> None:
     """Replace, bottom-up, each child subtree the policy selects with ``make_unit(child)``.
 
     The root itself is not wrapped here: the caller makes it the outermost unit.
+    Ignored modules and ``ignored_params`` do not count towards a subtree's size.
     """
 
     def numel_free(m: nn.Module) -> int:
         return sum(p.numel() for p in m.parameters() if not hasattr(p, "_zeroshard_unit") and p not in ignored_params)
 
-    ignored_params = {p for m in ignored for p in m.parameters()}
+    ignored_params = set(ignored_params) | {p for m in ignored for p in m.parameters()}
 
     def visit(m: nn.Module, only_children: bool) -> tuple[nn.Module, int]:
         if m in ignored:

@@ -1,0 +1,83 @@
+"""ignored_states: parameters (or modules) kept out of every FlatParameter.
+
+Parity with torch FSDP1 given the same ignored parameters (``torch.equal`` on
+outputs, gradients — ignored ones stay local, unreduced, in both engines —
+clipped norms and parameters after AdamW), parameter names, FULL state dicts
+and the misuse errors."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed.fsdp as tfsdp
+import torch.nn as nn
+
+import zeroshard as zs
+from models import build
+from parity import run_case
+
+IGNORED = ("blocks.0.l1.weight", "out.bias", "inp.weight")
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_ignored_parameters_match_torch(ranks, world_size, strategy, use_orig_params):
+    ranks.run(world_size, run_case, {"ignored": IGNORED, "strategy": strategy, "use_orig_params": use_orig_params})
+
+
+@pytest.mark.parametrize("policy", ["size", "none"])
+def test_ignored_parameters_with_other_policies(ranks, policy):
+    ranks.run(2, run_case, {"ignored": IGNORED, "policy": policy, "min_num_params": 50})
+
+
+def _state_dicts(rank, world_size, use_orig_params):
+    base = build("mlp")
+    models = []
+    for cls, lib in ((tfsdp.FullyShardedDataParallel, tfsdp), (zs.FSDP, zs)):
+        m = copy.deepcopy(base)
+        kw = {"device_id": torch.device("cpu")} if lib is tfsdp else {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            models.append(cls(m, auto_wrap_policy=lib.wrap.ModuleWrapPolicy({type(m.blocks[0])}) if lib is zs else
+                              tfsdp.wrap.ModuleWrapPolicy({type(m.blocks[0])}), use_orig_params=use_orig_params,
+                              ignored_states=[m.get_parameter(n) for n in IGNORED], **kw))
+    ref, ours = models
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd_ref, sd_ours = ref.state_dict(), ours.state_dict()
+    assert list(sd_ref) == list(sd_ours), (list(sd_ref), list(sd_ours))
+    for k in sd_ref:
+        assert torch.equal(sd_ref[k], sd_ours[k]), k
+    ours.load_state_dict(sd_ours)  # and it loads back
+    assert not any(n in {i.fqn for u in zs.FSDP.fsdp_modules(ours) if u._handle for i in u._handle.layout.params}
+                   for n in IGNORED)
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_full_state_dict_with_ignored_parameters_matches_torch(ranks, use_orig_params):
+    assert all(ranks.run(2, _state_dicts, use_orig_params))
+
+
+def _modules_and_misuse(rank, world_size):
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    a, b = copy.deepcopy(m), copy.deepcopy(m)
+    as_states, as_modules = zs.FSDP(a, ignored_states=[a[1]]), zs.FSDP(b, ignored_modules=[b[1]])
+    names = [n for n, _ in as_states.named_parameters()]
+    assert names == [n for n, _ in as_modules.named_parameters()] and "_fsdp_wrapped_module.1.weight" in names, names
+    assert as_states._handle.layout.padded_numel == as_modules._handle.layout.padded_numel
+    errors = []
+    for kw in ({"ignored_states": [m[0]], "ignored_modules": [m[1]]}, {"ignored_states": [m[0], m[1].weight]}):
+        try:
+            zs.FSDP(copy.deepcopy(m), **kw)
+        except ValueError as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_ignored_modules_through_ignored_states_and_misuse(ranks):
+    errors = ranks.run(2, _modules_and_misuse)[0]
+    assert len(errors) == 2 and "not both" in errors[0] and "all nn.Parameters or all nn.Modules" in errors[1], errors
