@@ -162,3 +162,36 @@ def test_local_state_dict_round_trip_and_world_size_check(ranks, tmp_path):
     ranks.run(2, _local_save, str(tmp_path))
     for msg in ranks.run(3, _local_load_other_world, str(tmp_path)):
         assert msg and "world size" in msg and "Fix" in msg
+
+
+def _apply_init(rank, world_size, use_orig_params):
+    """model.apply(init) writes into the full parameters of every unit and
+    the shards keep the result, as torch FSDP1's apply does."""
+    _, ref, ours = _pair("mlp", "FULL_SHARD", use_orig_params)
+
+    def init(m):
+        if isinstance(m, torch.nn.Linear):
+            with torch.no_grad():
+                m.weight.copy_(torch.arange(m.weight.numel(), dtype=m.weight.dtype).view_as(m.weight) / 97.0)
+                m.bias.fill_(0.25)
+
+    for m in (ref, ours):
+        assert m.apply(init) is m
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd_ref, sd_ours = ref.state_dict(), ours.state_dict()
+    assert list(sd_ref) == list(sd_ours)
+    for k in sd_ref:
+        assert torch.equal(sd_ref[k], sd_ours[k]), k
+    assert torch.equal(sd_ours["out.bias"], torch.full_like(sd_ours["out.bias"], 0.25))
+    for m in (ref, ours):  # and training goes on from the written values
+        m(batch("mlp", rank, 0)).sum().backward()
+    for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
+        # None on both sides where this rank's shard holds none of a use_orig_params parameter
+        assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), n
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_apply_initializes_the_full_parameters_like_torch(ranks, use_orig_params):
+    assert all(ranks.run(2, _apply_init, use_orig_params))

@@ -315,6 +315,13 @@ class FullyShardedDataParallel(nn.Module):
         units = [m for m in module.modules() if _is_unit(m)]
         return [u for u in units if u._is_root] if root_only else units
 
+    def apply(self, fn):
+        """``nn.Module.apply`` with this unit's full parameters in place and
+        written back to the shards (e.g. ``model.apply(init_weights)``), as in
+        torch FSDP1; nested units summon their own as the recursion reaches them."""
+        with sd.summon_full_params(self, recurse=False, writeback=True):
+            return super().apply(fn)
+
     def named_parameters(self, *args, **kwargs):
         """``nn.Module``'s, but inside ``summon_full_params`` the names are the
         plain model's (no ``_fsdp_wrapped_module.``), as in torch FSDP1."""
