@@ -108,12 +108,12 @@ def start_reduction(handle, bucketer: Bucketer | None = None) -> list[PendingRed
     """Launch the reduction of ``handle.flat_param.grad`` (the local unsharded
     gradient), or put it in a bucket; returns the reductions launched."""
     flat = handle.flat_param
-    replicas = handle.replicate_group.size() if handle.replicate_group is not None else 1
-    pre, post = divide_factors(handle.world_size * replicas)
     if flat.grad.dtype != handle.reduce_dtype:
         flat.grad.data = flat.grad.data.to(handle.reduce_dtype)
-    if handle.comm_hook is not None:
+    if handle.comm_hook is not None:  # the hook communicates and divides
         return [_run_hook(handle)]
+    replicas = handle.replicate_group.size() if handle.replicate_group is not None else 1
+    pre, post = divide_factors(handle.world_size * replicas)
     if not handle.sharded:
         grad = flat.grad  # stays in .grad; all-reduced in place (unless bucketed)
         _div(grad, pre)
@@ -157,7 +157,7 @@ def _run_hook(handle) -> HookedReduction:
         hook(state, grad, out)
     else:
         hook(state, flat.grad)  # reduces .grad in place
-        out = flat.grad.data
+        out = flat.grad
     if trace._active:
         trace.span_end(_kind(handle), handle.unit_name)
     return HookedReduction(handle, out.data)
