@@ -224,7 +224,7 @@ class FullyShardedDataParallel(nn.Module):
     def register_comm_hook(self, state: object, hook) -> None:
         """Replace every unit's gradient collective by ``hook`` (root only; see ``comm_hooks``):
         ``hook(state, grad, output)`` for sharded units, ``hook(state, grad)`` for NO_SHARD ones."""
-        comm_hooks.register(self, [m for m in self.modules() if _is_unit(m)], state, hook)
+        comm_hooks.register(self, self.fsdp_modules(self), state, hook)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients of all units by their global norm; returns that norm."""
@@ -325,13 +325,15 @@ class FullyShardedDataParallel(nn.Module):
     def named_parameters(self, *args, **kwargs):
         """``nn.Module``'s, but inside ``summon_full_params`` the names are the
         plain model's (no ``_fsdp_wrapped_module.``), as in torch FSDP1."""
-        for name, p in super().named_parameters(*args, **kwargs):
-            yield (name.replace(FSDP_WRAPPED_MODULE + ".", "") if self._summoning else name), p
+        return self._summoned_names(super().named_parameters(*args, **kwargs))
 
     def named_buffers(self, *args, **kwargs):
         """As :meth:`named_parameters`, for buffers."""
-        for name, b in super().named_buffers(*args, **kwargs):
-            yield (name.replace(FSDP_WRAPPED_MODULE + ".", "") if self._summoning else name), b
+        return self._summoned_names(super().named_buffers(*args, **kwargs))
+
+    def _summoned_names(self, named):
+        for name, t in named:
+            yield (sd.clean_key(name) if self._summoning else name), t
 
     def __getattr__(self, name: str):
         try:
