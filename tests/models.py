@@ -81,9 +81,36 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class BNBlock(nn.Module):
+    """Linear -> BatchNorm -> ReLU, residual: the BatchNorm is what mixed
+    precision leaves in fp32 (MixedPrecision._module_classes_to_ignore)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.norm = nn.BatchNorm1d(d)
+
+    def forward(self, x):
+        return x + torch.relu(self.norm(self.lin(x)))
+
+
+class BNMLP(nn.Module):
+    def __init__(self, d_in: int = 5, d: int = 11, n_blocks: int = 2):
+        super().__init__()
+        self.inp = nn.Linear(d_in, d)
+        self.blocks = nn.ModuleList(BNBlock(d) for _ in range(n_blocks))
+        self.out = nn.Linear(d, 3)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.out(x)
+
+
 def build(name: str, seed: int = 0, **kwargs) -> nn.Module:
     torch.manual_seed(seed)
-    return {"mlp": MLP, "gpt": TinyGPT, "lora": LoRAMLP}[name](**kwargs)
+    return {"mlp": MLP, "gpt": TinyGPT, "lora": LoRAMLP, "bn": BNMLP}[name](**kwargs)
 
 
 def batch(name: str, rank: int, step: int, d_in: int = 5):

@@ -47,7 +47,25 @@ def _policy(lib, case):
         return functools.partial(lib.size_based_auto_wrap_policy, min_num_params=case["min_num_params"])
     if name == "lambda":
         return functools.partial(lib.lambda_auto_wrap_policy, lambda_fn=_lambda_fn)
+    if name == "always":
+        return lib.always_wrap_policy
+    if name == "custom":
+        return lib.CustomPolicy(functools.partial(_custom_fn, tfsdp if lib is twrap else zs))
+    if name == "bn_block":
+        from models import BNBlock
+
+        return lib.ModuleWrapPolicy({BNBlock})
     return None
+
+
+def _custom_fn(enums, m):
+    """CustomPolicy: blocks become SHARD_GRAD_OP units, the head a NO_SHARD
+    unit (per-unit keyword overrides), every nn.Sequential a unit with the root's keywords."""
+    if isinstance(m, (Block, TransformerBlock)):
+        return {"sharding_strategy": enums.ShardingStrategy.SHARD_GRAD_OP}
+    if isinstance(m, torch.nn.Linear) and m.out_features == 3:
+        return {"sharding_strategy": enums.ShardingStrategy.NO_SHARD}
+    return isinstance(m, torch.nn.Sequential)
 
 
 _GROUPS = {}

@@ -25,7 +25,7 @@ hooks.MAX_LIVE_PREFETCH_UNITS = 2 largest other units (limit_all_gathers' bound 
 prefetch); SHARD_GRAD_OP: every unit (gathered from forward to the end of backward);
 NO_SHARD: nothing if it computes on the shard, else every unit's cast copy (autograd
 holds them until backward). FULL_SHARD's needs unit sizes: give ``--model``, or call
-:func:`estimate_model`, which runs the engine's own wrapping (wrap.auto_wrap) and layout
+:func:`estimate_model`, which runs the engine's own wrapping (wrap.wrap_submodules) and layout
 (flat_param.build_layout) code without a process group. A unit's unsharded gradient
 (one at a time, before its reduce-scatter) is not counted.
 
@@ -46,15 +46,17 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 
 from .flat_param import build_layout, collect_params
+from .fully_sharded import FullyShardedDataParallel
 from .hooks import MAX_LIVE_PREFETCH_UNITS
 from .options import ShardingStrategy
-from .wrap import ModuleWrapPolicy, auto_wrap
+from .wrap import ModuleWrapPolicy, wrap_submodules
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "ZERO1", "NO_SHARD")
 STAGE = {"FULL_SHARD": "ZeRO-3", "SHARD_GRAD_OP": "ZeRO-2", "ZERO1": "ZeRO-1", "NO_SHARD": "DDP"}
@@ -160,11 +162,14 @@ def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, str
     if auto_wrap_policy is not None:
         # The engine's own traversal; make_unit records the module and leaves the
         # tree untouched, so the same policy decisions (and numel counts) result.
-        def make_unit(m):
+        def make_unit(m, **kwargs):
             recorded.append(m)
             return m
 
-        auto_wrap(model, auto_wrap_policy, make_unit, ignored, lambda m: m in recorded)
+        # Any constructor keyword may be overridden per unit (CustomPolicy);
+        # mixed_precision=None: the estimate registers no fp32 hooks on the model.
+        keywords = dict.fromkeys(inspect.signature(FullyShardedDataParallel.__init__).parameters)
+        wrap_submodules(model, auto_wrap_policy, keywords, make_unit, ignored, lambda m: m in recorded)
     unit_set = set(recorded) | {model}
     order = {m: i for i, m in enumerate(model.modules())}
     names = {m: n for n, m in model.named_modules()}

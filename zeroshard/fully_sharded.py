@@ -25,7 +25,7 @@ from .handle import FlatParamHandle
 from .hpz import SecondaryShards
 from .mixed_precision import cast_buffers, cast_floats, to_device
 from .options import BackwardPrefetch, CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
-from .wrap import auto_wrap
+from .wrap import wrap_submodules
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FLAT_PARAM = "_flat_param"
@@ -111,7 +111,7 @@ class FullyShardedDataParallel(nn.Module):
                 bucket_cap_mb=bucket_cap_mb, param_persistence_threshold=param_persistence_threshold,
                 quantized_all_gather=quantized_all_gather, hpz_group_size=hpz_group_size,
             )
-            auto_wrap(module, auto_wrap_policy, lambda m: FullyShardedDataParallel(m, **unit_kwargs), ignored, _is_unit, ignored_params)
+            wrap_submodules(module, auto_wrap_policy, unit_kwargs, FullyShardedDataParallel, ignored, _is_unit, ignored_params)
         self._fsdp_wrapped_module = module
         self._ignored_modules = ignored
 

@@ -10,7 +10,10 @@ them:
   the innermost unit holding them (their original dtype is remembered so that
   state dicts can return it);
 * forward inputs are cast to ``param_dtype`` (``cast_forward_inputs``, or
-  ``cast_root_forward_inputs`` at the root) and moved to the compute device.
+  ``cast_root_forward_inputs`` at the root) and moved to the compute device;
+* modules kept out of mixed precision (``_module_classes_to_ignore``, e.g.
+  BatchNorm, see ``wrap``) get their inputs cast to fp32 and their outputs
+  back to the input's dtype.
 """
 from __future__ import annotations
 
@@ -36,6 +39,8 @@ def _map_tensors(obj, fn):
     """Apply ``fn`` to every tensor in nested lists, tuples and dicts of forward inputs."""
     if torch.is_tensor(obj):
         return fn(obj)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(_map_tensors(o, fn) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(o, fn) for o in obj)
     if isinstance(obj, dict):
@@ -51,3 +56,26 @@ def cast_floats(obj, dtype: torch.dtype):
 def to_device(obj, device: torch.device):
     """Forward inputs with every tensor moved to the compute device."""
     return _map_tensors(obj, lambda t: t.to(device, non_blocking=True))
+
+
+def run_in_fp32(module) -> None:
+    """Hooks that run ``module`` in fp32 inside a low-precision model: floating
+    positional inputs are cast to fp32, and floating outputs back to the dtype
+    the inputs had (remembered from the last call that cast one; torch FSDP1's
+    rule). Appended after the module's other hooks."""
+
+    def cast(dtype, t):
+        if not torch.is_floating_point(t) or t.dtype == dtype:
+            return t
+        module._zeroshard_input_dtype = t.dtype
+        return t.to(dtype)
+
+    def pre(_, args):
+        return _map_tensors(args, lambda t: cast(torch.float32, t))
+
+    def post(_, args, output):
+        dtype = getattr(module, "_zeroshard_input_dtype", None)
+        return None if dtype is None else _map_tensors(output, lambda t: cast(dtype, t))
+
+    module.register_forward_pre_hook(pre)
+    module.register_forward_hook(post)

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
+import torch.nn as nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 
 class ShardingStrategy(enum.Enum):
@@ -51,6 +54,9 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    # With an auto_wrap_policy, instances of these classes become units of
+    # their own with mixed precision off (see wrap.wrap_submodules).
+    _module_classes_to_ignore: Sequence[type[nn.Module]] = (_BatchNorm,)
 
 
 @dataclass

@@ -8,12 +8,25 @@ nonwrapped_numel)``; with ``recurse=True`` it answers "may I look inside
 ``nonwrapped_numel`` counts the parameters not already claimed by a unit below.
 Units are created bottom-up (children before parents), like torch's
 ``_recursive_wrap``.
+
+Policy *objects* (``ModuleWrapPolicy``, ``CustomPolicy``, and torch's own)
+take torch's other path: ``_run_policy`` lists the modules to wrap, each with
+its constructor keywords (the root's, or the root's updated by the policy), and
+they are wrapped in post-order. Either way, with ``mixed_precision`` set, the
+classes in its ``_module_classes_to_ignore`` (BatchNorm by default) become
+units of their own that run in fp32, as torch FSDP1 does. ``enable_wrap`` /
+``wrap`` are the manual form: modules passed to ``wrap`` inside the context
+become units with the context's keywords.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+import contextlib
+import warnings
+from typing import Any, Callable, Iterable
 
 import torch.nn as nn
+
+from .mixed_precision import run_in_fp32
 
 
 def size_based_auto_wrap_policy(
@@ -50,6 +63,11 @@ def transformer_auto_wrap_policy(
     return True if recurse else isinstance(module, tuple(transformer_layer_cls))
 
 
+def always_wrap_policy(*args, **kwargs) -> bool:
+    """Every submodule becomes its own unit."""
+    return True
+
+
 class ModuleWrapPolicy:
     """Wrap every instance of ``module_classes`` (the object form of the policy above)."""
 
@@ -59,8 +77,100 @@ class ModuleWrapPolicy:
     def __call__(self, module: nn.Module, recurse: bool, nonwrapped_numel: int = 0, **kwargs) -> bool:
         return True if recurse else isinstance(module, self._module_classes)
 
+    def _run_policy(self, root: nn.Module, ignored: set, root_kwargs: dict) -> dict[nn.Module, dict]:
+        return {m: dict(root_kwargs) for m in root.modules() if m not in ignored and isinstance(m, self._module_classes)}
+
     def __repr__(self):
         return f"ModuleWrapPolicy({[c.__name__ for c in self._module_classes]})"
+
+
+class CustomPolicy:
+    """Decide module by module with ``lambda_fn(module)``: ``False`` (or ``{}``)
+    leaves it alone, ``True`` makes it a unit with the root's keywords, a dict
+    makes it a unit whose keywords are the root's updated by the dict, e.g.
+    ``{"sharding_strategy": ShardingStrategy.SHARD_GRAD_OP}`` for one layer."""
+
+    def __init__(self, lambda_fn: Callable[[nn.Module], bool | dict[str, Any]]):
+        self._lambda_fn = lambda_fn
+
+    def _run_policy(self, root: nn.Module, ignored: set, root_kwargs: dict) -> dict[nn.Module, dict]:
+        targets = {}
+        for m in root.modules():
+            if m in ignored:
+                continue
+            res = self._lambda_fn(m)
+            if not isinstance(res, (bool, dict)):
+                raise ValueError(
+                    f"zeroshard: CustomPolicy's lambda_fn returned {res!r} for a {type(m).__name__}. "
+                    "Fix: return True, False or a dict of FullyShardedDataParallel keywords for that unit."
+                )
+            if res:
+                targets[m] = {**root_kwargs, **(res if isinstance(res, dict) else {})}
+        return targets
+
+
+def _nested_unit_error(m: nn.Module) -> ValueError:
+    return ValueError(
+        f"zeroshard: {type(m).__name__} is already an FSDP unit inside a module being auto-wrapped. "
+        "Fix: use either manual nesting or auto_wrap_policy, not both on the same subtree."
+    )
+
+
+def wrap_submodules(module: nn.Module, policy, unit_kwargs: dict, make_unit: Callable[..., nn.Module], ignored: set,
+                    is_unit, ignored_params=frozenset()) -> None:
+    """The constructor's auto-wrap step: ``make_unit(child, **keywords)`` for
+    each child the policy selects (the root is left to the caller).
+    ``unit_kwargs`` are the root's keywords; policy objects may override them
+    per unit."""
+    mp = unit_kwargs.get("mixed_precision")
+    fp32_classes = tuple(getattr(mp, "_module_classes_to_ignore", ())) if mp is not None else ()
+    fp32 = [m for m in module.modules() if isinstance(m, fp32_classes)]
+    for m in fp32:  # torch hooks every instance, ignored ones included, but wraps only the others
+        run_in_fp32(m)
+    fp32 = [m for m in fp32 if m not in ignored and m is not module]
+    if fp32:
+        warnings.warn(f"zeroshard: mixed precision with auto_wrap_policy: {sorted({type(m).__name__ for m in fp32})} "
+                      "become units of their own with mixed precision disabled (MixedPrecision._module_classes_to_ignore), "
+                      "as in torch FSDP1.", stacklevel=3)
+
+    def unit(m: nn.Module, kwargs: dict) -> nn.Module:
+        unknown = sorted(set(kwargs) - set(unit_kwargs))
+        if unknown:
+            raise ValueError(f"zeroshard: auto_wrap_policy gave the {type(m).__name__} unit unknown keyword(s) {unknown}. "
+                             f"Fix: use FullyShardedDataParallel keywords ({', '.join(sorted(unit_kwargs))}).")
+        return make_unit(m, **(dict(kwargs, mixed_precision=None) if isinstance(m, fp32_classes) else kwargs))
+
+    if hasattr(policy, "_run_policy"):  # policy objects, torch's included
+        bad = next((m for m in module.modules() if is_unit(m) and m not in ignored), None)
+        if bad is not None:
+            raise _nested_unit_error(bad)
+        targets = policy._run_policy(module, ignored, dict(unit_kwargs))
+        targets.update({m: dict(targets.get(m, unit_kwargs)) for m in fp32})
+        _post_order_apply(module, lambda m: unit(m, targets[m]) if m in targets else None)
+    else:
+        def selected(module, recurse, nonwrapped_numel):  # the policy, or one of the fp32 classes
+            return policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) or recurse or \
+                isinstance(module, fp32_classes)
+
+        auto_wrap(module, selected if fp32_classes else policy, lambda m: unit(m, unit_kwargs), ignored, is_unit, ignored_params)
+
+
+def _post_order_apply(root: nn.Module, fn: Callable[[nn.Module], nn.Module | None]) -> None:
+    """Replace each module below ``root`` by ``fn(module)`` when that is not
+    None, children before parents; a module reachable twice is visited once."""
+    visited = {root}
+
+    def visit(m: nn.Module) -> None:
+        for name, child in list(m.named_children()):
+            if child in visited:
+                continue
+            visited.add(child)
+            visit(child)
+            new = fn(child)
+            if new is not None:
+                setattr(m, name, new)
+
+    visit(root)
 
 
 def auto_wrap(module: nn.Module, policy: Callable, make_unit: Callable[[nn.Module], nn.Module], ignored: set, is_unit,
@@ -80,10 +190,7 @@ def auto_wrap(module: nn.Module, policy: Callable, make_unit: Callable[[nn.Modul
         if m in ignored:
             return m, 0
         if is_unit(m):
-            raise ValueError(
-                f"zeroshard: {type(m).__name__} is already an FSDP unit inside a module being auto-wrapped. "
-                "Fix: use either manual nesting or auto_wrap_policy, not both on the same subtree."
-            )
+            raise _nested_unit_error(m)
         numel = numel_free(m)
         if not policy(module=m, recurse=True, nonwrapped_numel=numel):
             return m, 0
@@ -100,4 +207,31 @@ def auto_wrap(module: nn.Module, policy: Callable, make_unit: Callable[[nn.Modul
     visit(module, True)
 
 
-__all__ = ["size_based_auto_wrap_policy", "lambda_auto_wrap_policy", "transformer_auto_wrap_policy", "ModuleWrapPolicy"]
+# ------------------------------------------------------------------ manual
+_CONTEXT: list[tuple[Callable, dict]] = []  # (wrapper_cls, keywords) inside enable_wrap
+
+
+@contextlib.contextmanager
+def enable_wrap(*, wrapper_cls: Callable, **wrapper_kwargs: Any):
+    """Inside this context, ``wrap(module)`` returns ``wrapper_cls(module, **wrapper_kwargs)``."""
+    if _CONTEXT:
+        raise NotImplementedError("zeroshard: enable_wrap contexts do not nest. Fix: leave the outer one first.")
+    _CONTEXT.append((wrapper_cls, wrapper_kwargs))
+    try:
+        yield
+    finally:
+        _CONTEXT.clear()
+
+
+def wrap(module: nn.Module, **wrap_overrides: Any) -> nn.Module:
+    """Mark ``module`` as a unit: wrapped inside ``enable_wrap`` (its keywords
+    updated by ``wrap_overrides``, then by ``module._wrap_overrides``), returned
+    unchanged outside."""
+    if not _CONTEXT:
+        return module
+    wrapper_cls, kwargs = _CONTEXT[0]
+    return wrapper_cls(module, **{**kwargs, **wrap_overrides, **getattr(module, "_wrap_overrides", {})})
+
+
+__all__ = ["always_wrap_policy", "size_based_auto_wrap_policy", "lambda_auto_wrap_policy", "transformer_auto_wrap_policy",
+           "ModuleWrapPolicy", "CustomPolicy", "enable_wrap", "wrap"]

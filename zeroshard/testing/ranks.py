@@ -12,6 +12,7 @@ Used by zeroshard's own tests, the demo, the examples and the benchmarks.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import time
@@ -140,6 +141,11 @@ class RankPool:
         """Run ``fn(rank, world_size, *args)`` on every rank; results by rank."""
         if self.broken:
             raise RuntimeError("RankPool is broken by an earlier failure; create a new one")
+        try:  # a queue pickles in a background thread: an unpicklable task would otherwise just never arrive
+            pickle.dumps((fn, args))
+        except Exception as e:
+            raise ValueError(f"zeroshard.testing.RankPool: {getattr(fn, '__name__', fn)} or its arguments cannot be "
+                             f"sent to the ranks ({e}). Fix: use module-level functions, not lambdas or closures.") from e
         self._next_id += 1
         task_id = self._next_id
         for q in self.tasks:
