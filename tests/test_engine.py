@@ -27,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zeroshard as zs
 from models import Block, batch, build
+from zeroshard import ds_checkpoint
 from zeroshard.ds_config import WarmupLR
 from zeroshard.engine import initialize
 
@@ -250,14 +251,14 @@ def _resume(rank, world_size, stage, ckpt_dir, extra):
     client = {"epoch": 3, "names": ["a", "b"], "t": torch.arange(4)}
     engine.save_checkpoint(ckpt_dir, tag="mid", client_state=client)
     _train(engine, rank, 3, 3)
-    expected = engine._model_state_dict(), engine._optimizer_state_dict(), engine.get_lr()
+    expected = ds_checkpoint.model_state_dict(engine), ds_checkpoint.optimizer_state_dict(engine), engine.get_lr()
     fresh, *_ = _engine(stage, seed=1, **extra)  # other weights, no optimizer state
     path, got_client = fresh.load_checkpoint(ckpt_dir)  # the tag comes from 'latest'
     assert path == os.path.join(ckpt_dir, "mid", "mp_rank_00_model_states.pt")
     assert _equal_nested(got_client, client)
     assert (fresh.global_steps, fresh.micro_steps) == (3, 6)
     _train(fresh, rank, 3, 3)
-    got = fresh._model_state_dict(), fresh._optimizer_state_dict(), fresh.get_lr()
+    got = ds_checkpoint.model_state_dict(fresh), ds_checkpoint.optimizer_state_dict(fresh), fresh.get_lr()
     assert _equal_nested(expected, got)
     if fresh.loss_scaler is not None:
         assert fresh.loss_scaler.state_dict() == engine.loss_scaler.state_dict()
@@ -284,8 +285,8 @@ def _load_elsewhere(rank, world_size, stage, ckpt_dir, tag):
     path, client = engine.load_checkpoint(ckpt_dir, tag=tag)
     saved = torch.load(path, weights_only=False)
     saved_optim = torch.load(os.path.join(os.path.dirname(path), "zero_optim_states.pt"), weights_only=False)["optimizer"]
-    return client == {"rank": 0} and _equal_nested(saved["module"], engine._model_state_dict()) and \
-        _equal_nested(saved_optim, engine._optimizer_state_dict())
+    return client == {"rank": 0} and _equal_nested(saved["module"], ds_checkpoint.model_state_dict(engine)) and \
+        _equal_nested(saved_optim, ds_checkpoint.optimizer_state_dict(engine))
 
 
 @pytest.mark.parametrize("stage", [1, 3])
@@ -319,14 +320,14 @@ def _across_stages(rank, world_size, ckpt_dir):
     saved, *_ = _engine(3)
     _train(saved, rank, 2, 0)
     saved.save_checkpoint(ckpt_dir, tag="s3")
-    weights = saved._model_state_dict()
+    weights = ds_checkpoint.model_state_dict(saved)
     other, *_ = _engine(1, seed=1)
-    before = other._model_state_dict()
+    before = ds_checkpoint.model_state_dict(other)
     with pytest.raises(ValueError, match=r"is in the 'fsdp full' form \(ZeRO stage 3\), this engine needs 'zero1 flat master'"):
         other.load_checkpoint(ckpt_dir, "s3")
-    assert _equal_nested(before, other._model_state_dict())  # refused before changing anything
+    assert _equal_nested(before, ds_checkpoint.model_state_dict(other))  # refused before changing anything
     other.load_checkpoint(ckpt_dir, "s3", load_optimizer_states=False)
-    assert _equal_nested(weights, other._model_state_dict())
+    assert _equal_nested(weights, ds_checkpoint.model_state_dict(other))
     master = torch.cat([p.master.detach() for p in other.zero1.parts])  # rebuilt from the loaded weights
     flat = torch.cat([p.detach().reshape(-1) for p in other.module.parameters()])
     n = master.numel()

@@ -34,6 +34,7 @@ The package reads in lifecycle order:
   loss_scale  -> fp16 static / dynamic loss scaling (DeepSpeed's rules)
   ds_config   -> DeepSpeed JSON config subset: validation, optimizer, WarmupLR/WarmupDecayLR
   engine      -> zeroshard.initialize: a DeepSpeed-style engine over DDP / ZeRO-1 / FSDP
+  ds_checkpoint -> the engine's save_checkpoint / load_checkpoint directories (DeepSpeed layout)
   accelerate_config -> Accelerate fsdp_config -> FullyShardedDataParallel keywords
   compat.hfai -> hfai-style front end
   testing     -> rank pools, assert_parity vs torch FSDP1 (python -m zeroshard.testing), hypothesis strategies

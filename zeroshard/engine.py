@@ -44,18 +44,12 @@ fp16/bf16 (stages 0/1): the model is cast and inputs' floating tensors too; an
 fp32 master lives in ``ZeroOneOptimizer`` (one partition at stage 0). Stages
 2/3: ``MixedPrecision(param, reduce, buffer dtype = fp16/bf16)`` over fp32 shards.
 
-Checkpoints, ``save_checkpoint(dir, tag)``: ``dir/tag/mp_rank_00_model_states.pt``
-(the plain model's full state dict, counters, scheduler, loss scaler and rank
-0's ``client_state``; written by rank 0), ``dir/tag/zero_optim_states.pt``
-(optimizer state in a world-size independent form: FSDP's FULL optimizer
-state dict at stages 2/3, ZeRO-1's gathered flat states at stage 1), and
-``dir/latest`` holding the tag; every file is written atomically.
+Checkpoints (``save_checkpoint`` / ``load_checkpoint``): DeepSpeed's directory
+layout, world-size independent and written atomically; see ``ds_checkpoint``.
 """
 from __future__ import annotations
 
-import contextlib
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -63,15 +57,13 @@ import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
-from . import checkpoint, materialize
+from . import ds_checkpoint, materialize
 from .ds_config import build_optimizer, build_scheduler, load_config
 from .fully_sharded import FullyShardedDataParallel
 from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
-from .options import CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
+from .options import CPUOffload, MixedPrecision, ShardingStrategy
 from .zero1 import ZeroOneOptimizer
 
-MODEL_FILE = "mp_rank_00_model_states.pt"
-OPTIM_FILE = "zero_optim_states.pt"
 _STRATEGIES = {3: (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
                2: (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)}
 
@@ -298,104 +290,16 @@ class Engine(nn.Module):
             return getattr(self.module, name)  # DeepSpeed passes unknown attributes to the model
 
     # ------------------------------------------------------------ checkpoints
-    def _full_state(self):
-        """FULL model and optimizer state dicts whatever state_dict_type the user set on the FSDP model."""
-        if self.stage < 2:
-            return contextlib.nullcontext()
-        return FullyShardedDataParallel.state_dict_type(self.wrapped, StateDictType.FULL_STATE_DICT)
-
-    def _model_state_dict(self) -> dict:
-        with self._full_state():
-            return self.module.state_dict()
-
-    def _optimizer_state_dict(self):
-        if self.optimizer is None or self.zero1 is not None:
-            return self.zero1.state_dict() if self.zero1 is not None else None
-        if self.stage < 2:
-            return self.optimizer.state_dict()
-        with self._full_state():
-            return FullyShardedDataParallel.optim_state_dict(self.wrapped, self.optimizer)
-
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
-        """Save model, optimizer, scheduler, loss scaler, counters and ``client_state`` (collective).
-
-        As in DeepSpeed, rank 0's ``client_state`` is the one stored."""
-        tag = str(tag if tag is not None else f"global_step{self.global_steps}")
-        tags = [None] * self.world_size
-        dist.all_gather_object(tags, tag)
-        if len(set(tags)) > 1:
-            raise ValueError(f"zeroshard save_checkpoint: ranks passed different tags {tags}. Fix: pass the same tag on every rank.")
-        path = os.path.join(os.fspath(save_dir), tag)
-        model_sd, optim_sd = self._model_state_dict(), self._optimizer_state_dict()  # collectives first, on every rank
-        if self.global_rank == 0:
-            os.makedirs(path, exist_ok=True)
-            checkpoint.save({
-                "module": model_sd, "client_state": dict(client_state or {}), "global_steps": self.global_steps,
-                "global_samples": self.global_samples, "micro_steps": self.micro_steps, "skipped_steps": self.skipped_steps,
-                "lr_scheduler": self.lr_scheduler.state_dict() if hasattr(self.lr_scheduler, "state_dict") else None,
-                "loss_scaler": self.loss_scaler.state_dict() if self.loss_scaler is not None else None,
-                "zero_stage": self.stage, "world_size": self.world_size, "ds_config": self.config.raw,
-            }, os.path.join(path, MODEL_FILE))
-            if optim_sd is not None:
-                checkpoint.save({"optimizer": optim_sd, "format": self._optim_format(), "zero_stage": self.stage},
-                                os.path.join(path, OPTIM_FILE))
-        dist.barrier()  # every file is complete before 'latest' names the tag
-        if save_latest and self.global_rank == 0:
-            tmp = os.path.join(os.fspath(save_dir), f".latest.{os.getpid()}.tmp")
-            with open(tmp, "w") as f:
-                f.write(tag)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))  # atomic, like checkpoint.save
-        dist.barrier()
-        return True
+        """Save model, optimizer, scheduler, loss scaler, counters and ``client_state`` (collective;
+        rank 0's ``client_state`` is the one stored, as in DeepSpeed). See ``ds_checkpoint``."""
+        return ds_checkpoint.save(self, save_dir, tag, client_state, save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
         """Returns ``(load_path, client_state)``, or ``(None, None)`` with a warning if there is no checkpoint."""
-        load_dir = os.fspath(load_dir)
-        if tag is None:
-            latest = os.path.join(load_dir, "latest")
-            if not os.path.isfile(latest):
-                warnings.warn(f"zeroshard load_checkpoint: no 'latest' file in {load_dir} and no tag given; nothing loaded.")
-                return None, None
-            with open(latest) as f:
-                tag = f.read().strip()
-        path = os.path.join(load_dir, str(tag), MODEL_FILE)
-        if not os.path.isfile(path):
-            warnings.warn(f"zeroshard load_checkpoint: {path} does not exist; nothing loaded.")
-            return None, None
-        ckpt = checkpoint.load(path, weights_only=False)
-        optim = None  # read and checked before anything is changed
-        if load_optimizer_states and not load_module_only and self.optimizer is not None:
-            optim = checkpoint.load(os.path.join(load_dir, str(tag), OPTIM_FILE), weights_only=False)
-            if optim["format"] != self._optim_format():
-                raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {load_dir}/{tag} is in the "
-                                 f"'{optim['format']}' form (ZeRO stage {optim['zero_stage']}), this engine needs "
-                                 f"'{self._optim_format()}' (stage {self.stage}, {self.config.low_precision_dtype or 'fp32'}). "
-                                 "Fix: load_optimizer_states=False (weights only), or the stage and precision of the save.")
-        with self._full_state():
-            self.module.load_state_dict(ckpt["module"], strict=load_module_strict)
-            if optim is not None and self.zero1 is None:
-                osd = optim["optimizer"]
-                if self.stage >= 2:
-                    osd = FullyShardedDataParallel.optim_state_dict_to_load(self.wrapped, self.optimizer, osd)
-                self.optimizer.load_state_dict(osd)
-        if self.zero1 is not None and optim is not None:
-            self.zero1.load_state_dict(optim["optimizer"])
-        elif self.zero1 is not None:  # the fp32 master follows the loaded weights
-            self.zero1.sync_master_from_params()
-        if not load_module_only:
-            if load_lr_scheduler_states and ckpt["lr_scheduler"] is not None and self.lr_scheduler is not None:
-                self.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-            if ckpt["loss_scaler"] is not None and self.loss_scaler is not None:
-                self.loss_scaler.load_state_dict(ckpt["loss_scaler"])
-            for k in ("global_steps", "global_samples", "micro_steps", "skipped_steps"):
-                setattr(self, k, ckpt[k])
-        return path, ckpt["client_state"]
-
-    def _optim_format(self) -> str:
-        return "zero1 flat master" if self.zero1 is not None else "fsdp full" if self.stage >= 2 else "torch"
+        return ds_checkpoint.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
+                                  load_lr_scheduler_states, load_module_only)
 
 
 def _local_rank(args, global_rank: int) -> int:
