@@ -23,7 +23,7 @@ DEFAULTS = dict(
     model="mlp", strategy="FULL_SHARD", use_orig_params=False, backward_prefetch="BACKWARD_PRE",
     forward_prefetch=False, limit_all_gathers=True, policy="module", steps=3, accum=2, clip=0.05,
     no_sync=False, lr=1e-2, min_num_params=100, model_kwargs={}, mp=None, hybrid=None, optim="adamw",
-    comm_hook=None, ignored=(),
+    comm_hook=None, ignored=(), unit_strategies=(),
 )
 
 
@@ -51,11 +51,19 @@ def _policy(lib, case):
         return lib.always_wrap_policy
     if name == "custom":
         return lib.CustomPolicy(functools.partial(_custom_fn, tfsdp if lib is twrap else zs))
+    if name == "per_block":  # CustomPolicy: block i gets case["unit_strategies"][i] (None: not a unit)
+        return lib.CustomPolicy(functools.partial(_per_block, tfsdp if lib is twrap else zs, case["unit_strategies"]))
     if name == "bn_block":
         from models import BNBlock
 
         return lib.ModuleWrapPolicy({BNBlock})
     return None
+
+
+def _per_block(enums, strategies, m):
+    if not isinstance(m, Block) or strategies[m.unit_index] is None:
+        return False
+    return {"sharding_strategy": getattr(enums.ShardingStrategy, strategies[m.unit_index])}
 
 
 def _custom_fn(enums, m):
@@ -93,6 +101,8 @@ def _hybrid_groups(engine, how):
 
 
 def _wrap(engine, model, case):
+    for i, blk in enumerate(getattr(model, "blocks", ())):
+        blk.unit_index = i  # for the per_block policy
     if engine == "torch":
         cls, lib, enums, extra = tfsdp.FullyShardedDataParallel, twrap, tfsdp, {"device_id": torch.device("cpu")}
     else:

@@ -13,6 +13,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 import torch.distributed.fsdp as tfsdp
 import torch.distributed.fsdp.wrap as twrap
 import torch.nn as nn
@@ -29,6 +31,24 @@ BF16 = dict(param_dtype="bfloat16", reduce_dtype="bfloat16", buffer_dtype="bfloa
 def test_custom_policy_per_unit_strategies_match_torch(ranks, world_size, use_orig_params):
     """Blocks SHARD_GRAD_OP, the head NO_SHARD, the root FULL_SHARD."""
     ranks.run(world_size, run_case, dict(policy="custom", use_orig_params=use_orig_params))
+
+
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"]
+
+
+@given(
+    world_size=st.integers(1, 4),
+    root=st.sampled_from(STRATEGIES),
+    blocks=st.lists(st.sampled_from([None, *STRATEGIES]), min_size=1, max_size=4),
+    use_orig_params=st.booleans(),
+    backward_prefetch=st.sampled_from([None, "BACKWARD_PRE", "BACKWARD_POST"]),
+)
+def test_random_per_unit_strategies_match_torch(ranks, world_size, root, blocks, use_orig_params, backward_prefetch):
+    """Property: any mix of per-unit sharding strategies (CustomPolicy
+    overrides; None = not a unit) trains bit-identically to torch FSDP1."""
+    ranks.run(world_size, run_case, dict(
+        policy="per_block", unit_strategies=tuple(blocks), strategy=root, use_orig_params=use_orig_params,
+        backward_prefetch=backward_prefetch, model_kwargs=dict(n_blocks=len(blocks)), steps=2))
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -160,12 +180,50 @@ def _bad_policies(rank, world_size):
         zs.FSDP(build("mlp"), auto_wrap_policy=zs.wrap.CustomPolicy(lambda m: 1 if isinstance(m, nn.Linear) else False))
     with pytest.raises(ValueError, match=r"gave the Block unit unknown keyword\(s\) \['shard_strategy'\]"):
         zs.FSDP(build("mlp"), auto_wrap_policy=zs.wrap.CustomPolicy(lambda m: {"shard_strategy": 1} if isinstance(m, Block) else False))
-    model = build("mlp")
-    model.blocks[0] = zs.FSDP(model.blocks[0])
-    with pytest.raises(ValueError, match="already an FSDP unit"):
-        zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    for policy in (zs.wrap.ModuleWrapPolicy({Block}), zs.wrap.always_wrap_policy):
+        model = build("mlp")
+        model.blocks[2] = zs.FSDP(model.blocks[2])
+        with pytest.raises(ValueError, match="already an FSDP unit"):
+            zs.FSDP(model, auto_wrap_policy=policy, mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16))
+        # refused before anything changed (torch checks first too)
+        assert type(model.inp) is nn.Linear and type(model.blocks[0]) is Block and not model.inp._forward_pre_hooks
     return True
 
 
 def test_policy_misuse_is_refused(ranks):
     assert ranks.run(2, _bad_policies) == [True, True]
+
+
+def test_size_based_policy_does_not_recurse_into_small_subtrees():
+    """torch's rule: recursion needs nonwrapped_numel >= min_num_params too."""
+    for recurse in (True, False):
+        for numel, expected in ((99, False), (100, True)):
+            args = dict(module=nn.Linear(2, 2), recurse=recurse, nonwrapped_numel=numel, min_num_params=100)
+            assert zs.wrap.size_based_auto_wrap_policy(**args) is expected
+            assert twrap.size_based_auto_wrap_policy(**args) is expected
+
+
+def test_fp32_hooks_keep_container_types():
+    """run_in_fp32 casts inside namedtuples, OrderedDicts and dataclasses and returns the same types."""
+    import collections
+    import dataclasses
+
+    from zeroshard.mixed_precision import run_in_fp32
+
+    @dataclasses.dataclass
+    class Out:
+        y: torch.Tensor
+        n: int = 1
+
+    Pair = collections.namedtuple("Pair", "a b")
+
+    class M(nn.Module):
+        def forward(self, x):
+            assert x.dtype == torch.float32  # the input was cast up
+            return Pair(x, collections.OrderedDict(z=x)), Out(x)
+
+    m = M()
+    run_in_fp32(m)
+    (pair, out) = m(torch.ones(2, dtype=torch.bfloat16))
+    assert type(pair) is Pair and type(pair.b) is collections.OrderedDict and type(out) is Out and out.n == 1
+    assert pair.a.dtype == pair.b["z"].dtype == out.y.dtype == torch.bfloat16  # and back down

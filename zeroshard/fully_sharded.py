@@ -110,6 +110,7 @@ class FullyShardedDataParallel(nn.Module):
                 param_init_fn=param_init_fn, sync_module_states=sync_module_states,
                 bucket_cap_mb=bucket_cap_mb, param_persistence_threshold=param_persistence_threshold,
                 quantized_all_gather=quantized_all_gather, hpz_group_size=hpz_group_size,
+                auto_wrap_policy=None, device_mesh=None,
             )
             wrap_submodules(module, auto_wrap_policy, unit_kwargs, FullyShardedDataParallel, ignored, _is_unit, ignored_params)
         self._fsdp_wrapped_module = module

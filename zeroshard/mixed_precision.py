@@ -17,6 +17,8 @@ them:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 
@@ -43,8 +45,11 @@ def _map_tensors(obj, fn):
         return type(obj)(*(_map_tensors(o, fn) for o in obj))
     if isinstance(obj, (list, tuple)):
         return type(obj)(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    if isinstance(obj, dict):  # OrderedDict stays an OrderedDict
+        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
+                                           for f in dataclasses.fields(obj) if f.init})
     return obj
 
 

@@ -40,9 +40,8 @@ def size_based_auto_wrap_policy(
     """Wrap a module once ``min_num_params`` parameters are left unwrapped in it."""
     force_leaf = size_based_auto_wrap_policy.FORCE_LEAF_MODULES if force_leaf_modules is None else force_leaf_modules
     exclude = size_based_auto_wrap_policy.EXCLUDE_WRAP_MODULES if exclude_wrap_modules is None else exclude_wrap_modules
-    if recurse:
-        return not isinstance(module, tuple(force_leaf))
-    return nonwrapped_numel >= min_num_params and not isinstance(module, tuple(exclude))
+    large = nonwrapped_numel >= min_num_params  # a smaller subtree cannot hold a unit either
+    return large and not isinstance(module, tuple(force_leaf if recurse else exclude))
 
 
 # Containers have no forward of their own to hook; attention's parameters are
@@ -122,16 +121,20 @@ def wrap_submodules(module: nn.Module, policy, unit_kwargs: dict, make_unit: Cal
     each child the policy selects (the root is left to the caller).
     ``unit_kwargs`` are the root's keywords; policy objects may override them
     per unit."""
+    bad = next((m for m in module.modules() if is_unit(m)), None)
+    if bad is not None:  # checked before anything changes, ignored subtrees included (as torch)
+        raise _nested_unit_error(bad)
     mp = unit_kwargs.get("mixed_precision")
     fp32_classes = tuple(getattr(mp, "_module_classes_to_ignore", ())) if mp is not None else ()
     fp32 = [m for m in module.modules() if isinstance(m, fp32_classes)]
-    for m in fp32:  # torch hooks every instance, ignored ones included, but wraps only the others
+    for m in fp32:  # torch hooks every instance, ignored ones and the root included, but wraps only the others
         run_in_fp32(m)
-    fp32 = [m for m in fp32 if m not in ignored and m is not module]
+        m._wrap_overrides = {"mixed_precision": None}  # what wrap() then applies, as torch
     if fp32:
         warnings.warn(f"zeroshard: mixed precision with auto_wrap_policy: {sorted({type(m).__name__ for m in fp32})} "
                       "become units of their own with mixed precision disabled (MixedPrecision._module_classes_to_ignore), "
                       "as in torch FSDP1.", stacklevel=3)
+    fp32 = [m for m in fp32 if m not in ignored and m is not module]
 
     def unit(m: nn.Module, kwargs: dict) -> nn.Module:
         unknown = sorted(set(kwargs) - set(unit_kwargs))
@@ -141,9 +144,6 @@ def wrap_submodules(module: nn.Module, policy, unit_kwargs: dict, make_unit: Cal
         return make_unit(m, **(dict(kwargs, mixed_precision=None) if isinstance(m, fp32_classes) else kwargs))
 
     if hasattr(policy, "_run_policy"):  # policy objects, torch's included
-        bad = next((m for m in module.modules() if is_unit(m) and m not in ignored), None)
-        if bad is not None:
-            raise _nested_unit_error(bad)
         targets = policy._run_policy(module, ignored, dict(unit_kwargs))
         targets.update({m: dict(targets.get(m, unit_kwargs)) for m in fp32})
         _post_order_apply(module, lambda m: unit(m, targets[m]) if m in targets else None)
