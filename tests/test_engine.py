@@ -148,6 +148,19 @@ def test_zero1_equals_ddp(ranks, world_size):
     assert all(r["max_diff"] <= 1e-7 for r in unclipped), unclipped
 
 
+def _zero1_default_group(rank, world_size):
+    from zeroshard.zero1 import ZeroOneOptimizer
+
+    # zeroshard was imported before init_process_group here (the pool's worker
+    # imports it first): the default must still mean the world, resolved at call time.
+    z = ZeroOneOptimizer(torch.optim.SGD(torch.nn.Linear(3, 3).parameters(), lr=0.1))
+    return z.group is torch.distributed.group.WORLD and z.world == world_size
+
+
+def test_zero1_default_group_is_the_world(ranks):
+    assert ranks.run(2, _zero1_default_group) == [True, True]
+
+
 def _zero1_vs_one_partition(rank, world_size, precision):
     """Stage 1 (N master chunks) vs stage 0 (DDP + one fp32 master partition) in fp16/bf16."""
     engines = [_engine(stage, clip=0.0, **{precision: {"enabled": True}})[0] for stage in (0, 1)]

@@ -72,9 +72,23 @@ def test_ddp_template_spawned():
     _check_ddp_template(out)
 
 
+def _teardown_abort(rc, out):
+    """A rank aborted by gloo at interpreter exit, after every result was printed.
+
+    Seen about 1 run in 10-40 under torchrun on a loaded 2-core machine, never
+    with spawned ranks: "terminate called without an active exception" from a
+    rank whose work had all finished. torch's DDP keeps its process group alive
+    after destroy_process_group (its C++ side holds it), so gloo's threads meet
+    interpreter shutdown (cf. pytorch/pytorch#179291, #65513)."""
+    return rc != 0 and "terminate called without an active exception" in out and \
+        out.count("bit-identical") == 2 and "outputs equal on every rank" in out
+
+
 def test_ddp_template_under_torchrun():
-    rc, out = run(["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   "-m", "zeroshard.examples.ddp_template", "--small"])
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "zeroshard.examples.ddp_template", "--small"]
+    rc, out = run(args)
+    if _teardown_abort(rc, out):  # torch's teardown, not the example: one more run must pass cleanly
+        rc, out = run(args)
     assert rc == 0, out
     assert "2 ranks (torchrun), rank 0 is local rank 0" in out, out
     assert out.count("rank 0 holds") == 3, out  # rank-0-only logging: one line per wrapper, not one per rank

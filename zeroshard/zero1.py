@@ -84,7 +84,10 @@ class ZeroOneOptimizer:
     :meth:`reduce_gradients`, then :meth:`step`, then :meth:`zero_grad`.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, process_group=dist.group.WORLD, master_device=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, process_group="WORLD", master_device=None):
+        # "WORLD" is resolved now, not as a default argument at import time: importing
+        # after init_process_group would pin that group object (and keep it alive forever).
+        process_group = dist.group.WORLD if process_group == "WORLD" else process_group
         if any(optimizer.state.values()):
             raise ValueError("zeroshard: ZeRO-1 needs an optimizer that has not stepped yet (its state would be "
                              "replicated, not sharded). Fix: pass a freshly built optimizer.")

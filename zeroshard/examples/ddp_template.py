@@ -33,6 +33,7 @@ RANK / WORLD_SIZE / LOCAL_RANK when they are set):
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import tempfile
@@ -63,8 +64,12 @@ def setup(rank, world_size, port=None):
 
 def cleanup():
     # Every rank past its last collective before any tears gloo down: a rank
-    # exiting while its peer still shut down once aborted in CI.
+    # exiting while its peer still shut down once aborted in CI. Models hold
+    # the process group; the caller drops its own and gc.collect() frees those
+    # left in reference cycles, so that destroying the group frees it now
+    # rather than during interpreter shutdown.
     dist.barrier()
+    gc.collect()
     dist.destroy_process_group()
 
 
@@ -162,6 +167,7 @@ def worker(rank, world_size, args, port=None):
         same = all(torch.equal(finals["DDP"][k], v) for k, v in finals[kind].items())
         log(f"parameters after training, {kind} vs DDP: " + ("bit-identical" if same else f"max |diff| {diff:.2e}"))
         ok = ok and diff < 1e-5
+    del model
     cleanup()
     if not ok:  # a failing rank makes mp.spawn / torchrun exit non-zero
         raise RuntimeError("ddp_template: the wrappers disagree (see the lines above)")
