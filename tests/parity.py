@@ -139,31 +139,31 @@ def sum_hook(state, grad, output=None):
         dist.reduce_scatter_single(output, grad, group=state)
 
 
-def _torch_compress_hook(dtype):
-    """torch's fp16/bf16_compress_hook without its last step: on CPU it calls
-    record_stream on a CPU stream and raises "unknown parameter type". The
-    arithmetic (cast, pre-divide, collective, post-divide, cast back) is
-    torch's own: its reduce_scatter_hook / allreduce_hook."""
-    from torch.distributed.algorithms._comm_hooks import default_hooks as th
+@contextlib.contextmanager
+def _cpu_record_stream():
+    """torch's fp16/bf16_compress_hook end with ``record_stream`` on the
+    decompressed tensor, which a CPU tensor refuses ("unknown parameter type").
+    With it a no-op for CPU tensors (there are no streams to order), the rest
+    is torch's own hook, including FSDP1's special case for it (no casts to
+    reduce_dtype before it or to the parameter dtype after it)."""
+    original = torch.Tensor.record_stream
 
-    def hook(state, grad, output=None):
-        grad.data = grad.data.to(dtype)
-        if output is None:
-            th.allreduce_hook(state, grad)
-            grad.data = grad.data.to(state.parameter_type)
-        else:
-            output.data = output.data.to(dtype)
-            th.reduce_scatter_hook(state, grad, output)
-            output.data = output.data.to(state.parameter_type)
+    def record_stream(self, stream):
+        if self.device.type != "cpu":
+            original(self, stream)
 
-    return hook
+    torch.Tensor.record_stream = record_stream
+    try:
+        yield
+    finally:
+        torch.Tensor.record_stream = original
 
 
 def _register_hook(engine, model, case):
     """case["comm_hook"]: "default" (torch's reduce_scatter_hook / allreduce_hook on
     both engines), "zeroshard" (torch's hooks on torch, zeroshard's own on
-    zeroshard), "bf16" / "fp16" (zeroshard's compression hooks against torch's
-    arithmetic, see _torch_compress_hook), "sum" (a custom hook)."""
+    zeroshard), "bf16" / "fp16" (zeroshard's compression hooks against torch's,
+    see _cpu_record_stream), "sum" (a custom hook)."""
     from torch.distributed.algorithms._comm_hooks import default_hooks as th
 
     name, pg = case["comm_hook"], model.process_group
@@ -171,8 +171,7 @@ def _register_hook(engine, model, case):
         return model.register_comm_hook(pg, sum_hook)
     lib = zs.comm_hooks if engine == "zeroshard" and name != "default" else th
     if name in ("bf16", "fp16"):
-        hook = getattr(lib, f"{name}_compress_hook") if engine == "zeroshard" else _torch_compress_hook(getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[name]))
-        return model.register_comm_hook(lib.LowPrecisionState(pg), hook)
+        return model.register_comm_hook(lib.LowPrecisionState(pg), getattr(lib, f"{name}_compress_hook"))
     hook = lib.allreduce_hook if case["strategy"] == "NO_SHARD" else lib.reduce_scatter_hook
     model.register_comm_hook(lib.DefaultState(pg), hook)
 
@@ -189,6 +188,11 @@ def _grads_equal(where, named_a, named_b):
 
 def run_case(rank: int, world_size: int, overrides: dict) -> dict:
     case = {**DEFAULTS, **overrides}
+    with _cpu_record_stream() if case["comm_hook"] in ("bf16", "fp16") else contextlib.nullcontext():
+        return _train_and_compare(rank, case)
+
+
+def _train_and_compare(rank: int, case: dict) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = build(case["model"], **case["model_kwargs"])

@@ -32,6 +32,18 @@ def test_compression_hooks_match_torch(ranks, hook, strategy, use_orig_params):
     ranks.run(3, run_case, {"comm_hook": hook, "strategy": strategy, "use_orig_params": use_orig_params})
 
 
+@pytest.mark.parametrize("hook,strategy,mp", [
+    ("fp16", "FULL_SHARD", {"reduce_dtype": "bfloat16"}),
+    ("bf16", "NO_SHARD", {"param_dtype": "bfloat16"}),
+    ("fp16", "SHARD_GRAD_OP", {"param_dtype": "bfloat16", "reduce_dtype": "float32"}),
+])
+def test_compression_hooks_do_their_own_casts(ranks, hook, strategy, mp):
+    """Under mixed precision torch FSDP1 hands its fp16/bf16 hooks the gradient
+    without casting it to reduce_dtype first (nor back after): so must zeroshard,
+    for torch's hooks and its own, or fp32 -> bf16 -> fp16 rounds twice."""
+    ranks.run(2, run_case, {"comm_hook": hook, "strategy": strategy, "mp": mp, "optim": "sgd"})
+
+
 def test_hook_with_mixed_precision_and_no_sync(ranks):
     # The hook receives the gradient already cast to reduce_dtype, as in torch.
     mp = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}

@@ -3,6 +3,7 @@ and the fix, at construction, instead of a hang or a wrong result."""
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -99,6 +100,19 @@ def _raise_case(rank, world_size, name):
     except exc as e:
         return str(e)
     return None
+
+
+def _mixed_requires_grad_warnings(rank, world_size):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zs.FSDP(HalfFrozen(), use_orig_params=True)
+    return [str(w.message) for w in caught if "mixes requires_grad" in str(w.message)]
+
+
+def test_mixed_requires_grad_with_orig_params_warns(ranks):
+    """Allowed with use_orig_params=True, but the unit's gradient covers the frozen elements too (torch warns as well)."""
+    for msgs in ranks.run(2, _mixed_requires_grad_warnings):
+        assert len(msgs) == 1 and "b.weight" in msgs[0] and "own unit" in msgs[0], msgs
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -106,6 +106,10 @@ def bf16_compress_hook(state: LowPrecisionState, grad: torch.Tensor, output: tor
     _compressed(torch.bfloat16, state, grad, output)
 
 
+# Like torch's, they cast the gradient themselves: FSDP casts neither before nor after them.
+fp16_compress_hook.casts_itself = bf16_compress_hook.casts_itself = True
+
+
 def register(root, units, state, hook) -> None:
     """``FullyShardedDataParallel.register_comm_hook``: give every unit below
     ``root`` (``units``, root included) the hook. Checks everything before

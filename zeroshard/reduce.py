@@ -31,6 +31,11 @@ import torch.nn.functional as F
 from . import comm, trace
 from .bucket import Bucket, Bucketer, pack_flat, pack_rows
 
+try:  # torch's fp16/bf16_compress_hook, which torch FSDP1 treats specially (see casts_itself)
+    from torch.distributed.algorithms._comm_hooks import LOW_PRECISION_HOOKS as _TORCH_LOW_PRECISION_HOOKS
+except ImportError:  # pragma: no cover - a torch without them
+    _TORCH_LOW_PRECISION_HOOKS = ()
+
 
 def divide_factors(world_size: int) -> tuple[float, float]:
     pre = 1
@@ -77,8 +82,9 @@ def _names(entries) -> str:
     return f"unit {names[0]}" if len(names) == 1 else f"units {', '.join(names)} (one bucket)"
 
 
-def _accumulate(h, out: torch.Tensor, post: float):
-    """Post-divide one unit's reduced gradient and hand it to the unit."""
+def _accumulate(h, out: torch.Tensor, post: float, cast: bool = True):
+    """Post-divide one unit's reduced gradient and hand it to the unit
+    (``cast``: back to the parameter dtype if it was reduced in another)."""
     _div(out, post)
     if not h.sharded and out.data_ptr() != h.flat_param.grad.data_ptr():
         h.flat_param.grad.data.copy_(out)  # bucketed all-reduce: back from the bucket
@@ -87,7 +93,7 @@ def _accumulate(h, out: torch.Tensor, post: float):
         out = out.to(h.local_shard.device)  # the optimizer steps the CPU shard
         if not h.sharded:  # NO_SHARD reduced .grad in place: it must follow to the CPU too
             h.flat_param.grad.data = out
-    if out.dtype != h.dtype:  # reduced in low precision: back to the master dtype
+    if cast and out.dtype != h.dtype:  # reduced in low precision: back to the master dtype
         if h.sharded:
             out = out.to(h.dtype)
         elif not h.keep_low_precision_grads:  # NO_SHARD keeps the reduced dtype then
@@ -104,13 +110,22 @@ def _accumulate(h, out: torch.Tensor, post: float):
             h.saved_grad_shard += out
 
 
+def casts_itself(hook) -> bool:
+    """fp16/bf16 compression hooks (torch's, and zeroshard's marked with
+    ``casts_itself``) do their own casts: as in torch FSDP1, the gradient is
+    then neither cast to ``reduce_dtype`` before the hook nor back to the
+    parameter dtype after it."""
+    return hook in _TORCH_LOW_PRECISION_HOOKS or getattr(hook, "casts_itself", False)
+
+
 def start_reduction(handle, bucketer: Bucketer | None = None) -> list[PendingReduction]:
     """Launch the reduction of ``handle.flat_param.grad`` (the local unsharded
     gradient), or put it in a bucket; returns the reductions launched."""
     flat = handle.flat_param
-    if flat.grad.dtype != handle.reduce_dtype:
+    hooked = handle.comm_hook is not None
+    if flat.grad.dtype != handle.reduce_dtype and not (hooked and casts_itself(handle.comm_hook[0])):
         flat.grad.data = flat.grad.data.to(handle.reduce_dtype)
-    if handle.comm_hook is not None:  # the hook communicates and divides
+    if hooked:  # the hook communicates and divides
         return [_run_hook(handle)]
     replicas = handle.replicate_group.size() if handle.replicate_group is not None else 1
     pre, post = divide_factors(handle.world_size * replicas)
@@ -140,7 +155,7 @@ class HookedReduction:
         self.handle, self.out = handle, out
 
     def finish(self):
-        _accumulate(self.handle, self.out, 1.0)  # the hook divided
+        _accumulate(self.handle, self.out, 1.0, cast=not casts_itself(self.handle.comm_hook[0]))  # the hook divided
 
 
 def _run_hook(handle) -> HookedReduction:

@@ -9,6 +9,8 @@ device; ranks whose layouts differ would all-gather mismatched buffers
 """
 from __future__ import annotations
 
+import warnings
+
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
@@ -47,6 +49,7 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str):
 
 def check_uniform(entries, use_orig_params: bool, unit_name: str):
     first_name, first = entries[0][2], entries[0][3]
+    warned = False
     for _, _, fqn, p in entries[1:]:
         if p.dtype != first.dtype:
             raise ValueError(
@@ -59,6 +62,13 @@ def check_uniform(entries, use_orig_params: bool, unit_name: str):
                 f"zeroshard: unit '{unit_name}' has parameters on {first.device} ({first_name}) and "
                 f"{p.device} ({fqn}). Fix: move the module to one device before wrapping."
             )
+        if use_orig_params and p.requires_grad != first.requires_grad and not warned:
+            warned = True  # torch FSDP1 warns too: the flat gradient covers the frozen elements as well
+            warnings.warn(
+                f"zeroshard: unit '{unit_name}' mixes requires_grad ({first_name}={first.requires_grad}, "
+                f"{fqn}={p.requires_grad}); its gradient buffer and reduce-scatter cover all "
+                f"{sum(e[3].numel() for e in entries)} elements, frozen ones included. If possible, wrap the "
+                "frozen parameters in their own unit.", stacklevel=4)
         if not use_orig_params and p.requires_grad != first.requires_grad:
             raise ValueError(
                 f"zeroshard: unit '{unit_name}' mixes requires_grad ({first_name}={first.requires_grad}, "
