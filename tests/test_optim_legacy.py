@@ -109,6 +109,11 @@ def _rekey(rank, world_size):
         except ValueError as e:
             errors.append(str(e))
     assert len(errors) == 2 and "mix names and IDs" in errors[0] and "name no parameter" in errors[1], errors
+    # The wrapped optimizer's own dict is keyed by FlatParameter IDs: no name fits one (torch raises too).
+    for fn, model in ((zs.FSDP.rekey_optim_state_dict, ours), (TF.rekey_optim_state_dict, ref)):
+        with pytest.raises(RuntimeError):
+            _quiet(fn, opt_ours.state_dict(), zs.OptimStateKeyType.PARAM_NAME if model is ours
+                   else tfsdp.OptimStateKeyType.PARAM_NAME, model, optim=opt_ours if model is ours else opt_ref)
     return True
 
 
@@ -128,6 +133,11 @@ def _settings(rank, world_size):
             assert type(t.optim_state_dict_config).__name__ == type(z.optim_state_dict_config).__name__
             assert t.state_dict_config.offload_to_cpu == z.state_dict_config.offload_to_cpu
             assert t.optim_state_dict_config.offload_to_cpu == z.optim_state_dict_config.offload_to_cpu
+    before = zs.FSDP.get_state_dict_type(ours)
+    for args in ((zs.ShardedStateDictConfig(),), (None, zs.ShardedOptimStateDictConfig())):
+        with pytest.raises(ValueError, match="set_state_dict_type.FULL_STATE_DICT. got a Sharded"):
+            zs.FSDP.set_state_dict_type(ours, zs.StateDictType.FULL_STATE_DICT, *args)  # torch refuses too
+        assert zs.FSDP.get_state_dict_type(ours) == before
     cfg = zs.FullOptimStateDictConfig(rank0_only=True)
     with zs.FSDP.state_dict_type(ours, zs.StateDictType.FULL_STATE_DICT, None, cfg):
         assert zs.FSDP.get_state_dict_type(ours).optim_state_dict_config is cfg

@@ -70,10 +70,17 @@ def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict, model: nn.M
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> FQN in the plain model; a FlatParameter is named by
-    its first parameter, as torch does."""
+    """id(parameter) -> FQN in the plain model. A FlatParameter stands for
+    several parameters, so no one name can key its state: refused, as torch."""
     index = optim_state._param_index(model)
-    return {pid: names[0] if kind == "flat" else names for pid, (kind, _, _, names) in index.items()}
+    for kind, _, _, names in index.values():
+        if kind == "flat":
+            raise RuntimeError(
+                f"zeroshard: rekey_optim_state_dict: the model holds a FlatParameter (use_orig_params=False) "
+                f"standing for {len(names)} parameters ({', '.join(names[:3])}, ...); a state keyed by its ID "
+                "has no single name. Fix: rekey a dict from FSDP.full_optim_state_dict / optim_state_dict (keyed "
+                "by names already), or wrap with use_orig_params=True.")
+    return {pid: names for pid, (kind, _, _, names) in index.items()}
 
 
 def rekey_optim_state_dict(optim_state_dict: dict, optim_state_key_type: OptimStateKeyType, model: nn.Module,

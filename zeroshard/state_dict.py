@@ -281,6 +281,13 @@ def set_state_dict_type(module, kind: StateDictType, config=None, optim_config=N
                StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig}
     if config is None and kind in default:
         config = default[kind]()
+    prefix = {StateDictType.FULL_STATE_DICT: "Full", StateDictType.LOCAL_STATE_DICT: "Local",
+              StateDictType.SHARDED_STATE_DICT: "Sharded"}.get(kind)
+    for cfg, suffix in ((config, "StateDictConfig"), (optim_config, "OptimStateDictConfig")):
+        # Matched by class name, so torch's config classes work as well as zeroshard's.
+        if cfg is not None and prefix is not None and type(cfg).__name__ != prefix + suffix:
+            raise ValueError(f"zeroshard: set_state_dict_type({kind.name}) got a {type(cfg).__name__}. "
+                             f"Fix: pass a {prefix}{suffix} (or None for the default).")
     previous = {}
     for u in units_of(module):
         previous[u] = (u._state_dict_type, u._state_dict_config, u.__dict__.get("_optim_state_dict_config"))
