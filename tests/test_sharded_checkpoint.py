@@ -164,10 +164,10 @@ def _torch_full(model, opt):
             return model.state_dict(), tfsdp.FullyShardedDataParallel.optim_state_dict(model, opt)
 
 
-def _interop_save(rank, world_size, path_torch, path_ours, use_orig_params):
+def _interop_save(rank, world_size, path_torch, path_ours, use_orig_params, strategy):
     import torch.distributed.checkpoint as dcp
 
-    (ref, ours), (opt_ref, opt_ours) = _models("mlp", use_orig_params, engines=("torch", "zeroshard"))
+    (ref, ours), (opt_ref, opt_ours) = _models("mlp", use_orig_params, strategy, engines=("torch", "zeroshard"))
     for step in range(3):
         for m, o in ((ref, opt_ref), (ours, opt_ours)):
             _step(m, o, "mlp", rank, step)
@@ -176,7 +176,8 @@ def _interop_save(rank, world_size, path_torch, path_ours, use_orig_params):
         warnings.simplefilter("ignore")
         with TFSDP.state_dict_type(ref, tfsdp.StateDictType.SHARDED_STATE_DICT):
             sd_t, osd_t = ref.state_dict(), TFSDP.optim_state_dict(ref, opt_ref)
-            assert type(next(iter(osd_t["state"].values()))["exp_avg"]).__name__ == "ShardedTensor"
+            if strategy != "NO_SHARD":  # there torch gives plain full tensors (with use_orig_params), zeroshard DTensors
+                assert type(next(iter(osd_t["state"].values()))["exp_avg"]).__name__ == "ShardedTensor"
             with zs.FSDP.state_dict_type(ours, SHARDED):
                 sd_z, osd_z = ours.state_dict(), zs.FSDP.optim_state_dict(ours, opt_ours)
                 # In memory: each engine's sharded optimizer state dict loads into the other's optimizer.
@@ -189,10 +190,10 @@ def _interop_save(rank, world_size, path_torch, path_ours, use_orig_params):
     return full if rank == 0 else None
 
 
-def _interop_load(rank, world_size, path_torch, path_ours, use_orig_params):
+def _interop_load(rank, world_size, path_torch, path_ours, use_orig_params, strategy):
     import torch.distributed.checkpoint as dcp
 
-    (ref, ours), (opt_ref, opt_ours) = _models("mlp", use_orig_params, engines=("torch", "zeroshard"), seed=1)
+    (ref, ours), (opt_ref, opt_ours) = _models("mlp", use_orig_params, strategy, engines=("torch", "zeroshard"), seed=1)
     _load(ours, opt_ours, path_torch)  # zeroshard reads torch's checkpoint
     TFSDP = tfsdp.FullyShardedDataParallel
     optim_state.init_optim_state(opt_ref)
@@ -207,10 +208,12 @@ def _interop_load(rank, world_size, path_torch, path_ours, use_orig_params):
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
-def test_sharded_checkpoints_cross_with_torch_fsdp(ranks, tmp_path, use_orig_params):
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_sharded_checkpoints_cross_with_torch_fsdp(ranks, tmp_path, use_orig_params, strategy):
+    """NO_SHARD too, where torch's SHARDED dicts hold plain tensors and zeroshard's DTensors."""
     paths = str(tmp_path / "torch"), str(tmp_path / "ours")
-    saved = ranks.run(2, _interop_save, *paths, use_orig_params)[0]
-    for ours, theirs in ranks.run(3, _interop_load, *paths, use_orig_params):  # and resharded 2 -> 3
+    saved = ranks.run(2, _interop_save, *paths, use_orig_params, strategy)[0]
+    for ours, theirs in ranks.run(3, _interop_load, *paths, use_orig_params, strategy):  # and resharded 2 -> 3
         _assert_full_equal(saved, ours)
         _assert_full_equal(saved, theirs)
 
