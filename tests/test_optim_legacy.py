@@ -47,6 +47,15 @@ def _full_to_shards(rank, world_size, use_orig_params):
     _assert_local_equal(local, zs.FSDP.shard_full_optim_state_dict(full_z, ours))
     # Rank 0 alone holds the dict; the others pass None and receive their shards.
     _assert_local_equal(local, zs.FSDP.scatter_full_optim_state_dict(full_z if rank == 0 else None, ours, optim=opt_ours))
+    # torch's deprecated optim_input (the parameters / groups the optimizer was built from): same results, with a warning.
+    for optim_input in (list(ours.parameters()), opt_ours.param_groups):
+        with pytest.warns(FutureWarning, match="optim_input is deprecated"):
+            _assert_local_equal(local, zs.FSDP.shard_full_optim_state_dict(full_z, ours, optim_input=optim_input))
+        with pytest.warns(FutureWarning):
+            assert list(zs.FSDP.full_optim_state_dict(ours, opt_ours, optim_input=optim_input, rank0_only=False)["state"]) \
+                == list(full_z["state"])
+    with pytest.raises(ValueError, match="optim_input and optim list different parameters"), pytest.warns(FutureWarning):
+        zs.FSDP.shard_full_optim_state_dict(full_z, ours, optim_input=list(ours.parameters())[:1], optim=opt_ours)
     return True
 
 

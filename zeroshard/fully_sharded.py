@@ -285,8 +285,7 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def full_optim_state_dict(model, optim, optim_input=None, rank0_only=True, group=None):
         """torch's older API: the FULL optimizer state dict, on rank 0 only by default (others get {})."""
-        if optim_input is not None:
-            raise ValueError("zeroshard: optim_input is not supported (deprecated in torch too). Fix: leave it None.")
+        optim_legacy.check_optim_input(model, optim_input, optim)
         return optim_state.full_optim_state_dict(model, optim, rank0_only, group)
 
     @staticmethod

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -35,13 +36,29 @@ class OptimStateKeyType(enum.Enum):
 
 
 def _optim_or_params(model: nn.Module, optim_input, optim):
-    """The optimizer, or (``optim=None``, as torch allows) a stand-in with one
-    param group of ``model.parameters()``, the order torch then assumes."""
+    """What numbers the parameters: the optimizer; else torch's deprecated
+    ``optim_input`` (the parameters or param groups the optimizer was built
+    from); else (both None, as torch allows) ``model.parameters()``."""
     if optim_input is not None:
-        raise ValueError("zeroshard: optim_input is not supported (deprecated in torch too). Fix: pass optim=the optimizer.")
+        warnings.warn("zeroshard: optim_input is deprecated (as in torch FSDP1); pass optim=the optimizer.",
+                      FutureWarning, stacklevel=3)
+        items = list(optim_input)
+        groups = [dict(g, params=list(g["params"])) for g in items] if items and isinstance(items[0], dict) \
+            else [{"params": items}]
+        stand_in = SimpleNamespace(param_groups=groups)
+        if optim is not None and list(map(id, optim_state._optim_params(stand_in))) != list(map(id, optim_state._optim_params(optim))):
+            raise ValueError("zeroshard: optim_input and optim list different parameters. Fix: pass optim only.")
+        return stand_in
     if optim is not None:
         return optim
     return SimpleNamespace(param_groups=[{"params": list(model.parameters())}])
+
+
+def check_optim_input(model: nn.Module, optim_input, optim) -> None:
+    """``full_optim_state_dict``'s deprecated ``optim_input``: accepted (with
+    torch's warning) when it lists the optimizer's own parameters."""
+    if optim_input is not None:
+        _optim_or_params(model, optim_input, optim)
 
 
 def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group=None) -> dict:
