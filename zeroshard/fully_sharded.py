@@ -24,7 +24,8 @@ from .grad_norm import clip_grad_norm_
 from .handle import FlatParamHandle
 from .hpz import SecondaryShards
 from .mixed_precision import cast_buffers, cast_floats, to_device
-from .options import BackwardPrefetch, CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType
+from .options import (BackwardPrefetch, CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType,
+                      as_member)
 from .wrap import wrap_submodules
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
@@ -63,6 +64,8 @@ class FullyShardedDataParallel(nn.Module):
         hpz_group_size: int | None = None,
     ):
         super().__init__()
+        sharding_strategy = as_member(sharding_strategy, ShardingStrategy, "sharding_strategy")
+        backward_prefetch = as_member(backward_prefetch, BackwardPrefetch, "backward_prefetch")
         strategy = sharding_strategy or (ShardingStrategy.HYBRID_SHARD if fsdp_group_size else ShardingStrategy.FULL_SHARD)
         ignored_modules, ignored_params = _split_ignored(ignored_modules, ignored_states, module)
         if isinstance(module, FullyShardedDataParallel):
@@ -123,7 +126,9 @@ class FullyShardedDataParallel(nn.Module):
         if sync_module_states:
             materialize.sync_module_states(module, outside_unit, [shard_group, replicate_group], ignored_params)
         nested = {m for m in module.modules() if _is_unit(m)}
-        entries, aliases = collect_params(module, skip=nested | ignored, ignored_params=ignored_params)
+        # An ignored module's parameters stay out even where another module uses them too (torch: by identity).
+        left_out = ignored_params | {p for m in ignored for p in m.parameters()}
+        entries, aliases = collect_params(module, skip=nested | ignored, ignored_params=left_out)
         _check_unowned(entries, type(module).__name__)
         self._handle = None
         if entries:

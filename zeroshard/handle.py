@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm, trace, validation
@@ -270,11 +271,11 @@ class FlatParamHandle:
         Returns what :meth:`exit_full_params` needs to undo it."""
         if self.unsharded and self._full.dtype != self.dtype:
             self.reshard(free=True)  # gathered in low precision for compute
-        undo = {"was_unsharded": self.unsharded, "backup": None}
+        # NO_SHARD in place (always_full): the views are the parameters themselves, so changes
+        # persist whatever ``writeback`` says, as torch FSDP1 documents for NO_SHARD.
+        undo = {"was_unsharded": self.unsharded, "grads": None}
         if not self.always_full:
             self.wait_unshard(full_precision=True)
-        elif not writeback:
-            undo["backup"] = self.flat_param.detach().clone()
         flat = self.flat_param.detach()
         views = [flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.layout.params]
         if self.use_orig_params:
@@ -289,27 +290,39 @@ class FlatParamHandle:
         for info in self.layout.shared:
             _register(info.module, info.name, params[info.prim_index])
         if with_grads:
-            self._gather_full_grads(params)
+            undo["grads"] = self._gather_full_grads(params)
         return undo
 
-    def _gather_full_grads(self, params):
+    def _gather_full_grads(self, params) -> torch.Tensor | None:
+        """The full flat gradient, with ``params``' grads viewing it; None if no rank has one."""
         g = self.flat_param.grad
-        if g is None:
-            return
         if self.sharded:
+            # Every rank joins the all-gather if any has a gradient (zeros stand in for a missing one).
+            have = torch.tensor([g is not None], dtype=torch.int32, device=self.local_shard.device)
+            comm.all_reduce(have, self.group, op=dist.ReduceOp.MAX, what=f"summon_full_params(with_grads) of unit '{self.unit_name}'")
+            if not have.item():
+                return None
+            g = g if g is not None else torch.zeros_like(self.local_shard)
             full = g.new_empty(self.layout.padded_numel)
             comm.all_gather(full, g, self.group, async_op=False, what=f"summon_full_params(with_grads) of unit '{self.unit_name}'")
             g = full
+        elif g is None:
+            return None
         for p, info in zip(params, self.layout.params):
             p.grad = None
             p.grad = g[info.offset : info.offset + info.numel].view(info.shape)
+        return g
 
     def exit_full_params(self, writeback: bool, undo: dict):
         if self.sharded and writeback:
             start = self.rank * self.layout.shard_numel
             self.local_shard.copy_(self._full[start : start + self.layout.shard_numel])
-        if undo["backup"] is not None:
-            self.flat_param.data.copy_(undo["backup"])
+            if undo["grads"] is not None:  # with_grads: this rank's part of the (maybe edited) gradient
+                own = undo["grads"][start : start + self.layout.shard_numel]
+                if self.flat_param.grad is None:
+                    self.flat_param.grad = own.clone()
+                else:
+                    self.flat_param.grad.copy_(own)
         if not self.use_orig_params:
             for info in (*self.layout.params, *self.layout.shared):
                 info.module._parameters.pop(info.name, None)

@@ -44,6 +44,19 @@ class BackwardPrefetch(enum.Enum):
     BACKWARD_POST = enum.auto()
 
 
+def as_member(value, enum_cls: type[enum.Enum], keyword: str):
+    """``value`` as a member of ``enum_cls``: torch's own enums (same names)
+    are accepted, so ``from torch.distributed.fsdp import ShardingStrategy``
+    works with zeroshard; anything else is refused rather than misread."""
+    if value is None or isinstance(value, enum_cls):
+        return value
+    name = getattr(value, "name", None)
+    if name not in enum_cls.__members__:
+        raise ValueError(f"zeroshard: {keyword}={value!r} is not a {enum_cls.__name__}. "
+                         f"Fix: pass one of {', '.join(enum_cls.__members__)}.")
+    return enum_cls[name]
+
+
 @dataclass
 class MixedPrecision:
     """Dtypes for the all-gathered parameters, the gradient reduction and buffers."""

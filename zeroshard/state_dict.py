@@ -32,7 +32,7 @@ import torch.nn as nn
 
 from . import ext
 from .handle import HandleState
-from .options import FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig, StateDictType
+from .options import FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig, StateDictType, as_member
 from .sharded_state import device_mesh, from_row_shard, to_row_shard
 
 WRAPPED_PREFIX = "_fsdp_wrapped_module."
@@ -61,8 +61,10 @@ def clean_key(key: str) -> str:
 
 
 def units_of(module: nn.Module, recurse: bool = True):
+    """The FSDP units in ``module``'s tree; with ``recurse=False`` only ``module``
+    itself if it is one (a plain module holding units gives none, as in torch)."""
     from_tree = [m for m in module.modules() if hasattr(m, "_handle") and hasattr(m, "_fsdp_wrapped_module")]
-    return from_tree if recurse else from_tree[:1]
+    return from_tree if recurse else [m for m in from_tree[:1] if m is module]
 
 
 @contextlib.contextmanager
@@ -277,6 +279,7 @@ def set_state_dict_type(module, kind: StateDictType, config=None, optim_config=N
 
     ``optim_config`` None means the default for ``kind`` (resolved by
     ``optim_state``: full on every rank, or sharded under SHARDED_STATE_DICT)."""
+    kind = as_member(kind, StateDictType, "state_dict_type")
     default = {StateDictType.FULL_STATE_DICT: FullStateDictConfig, StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig,
                StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig}
     if config is None and kind in default:

@@ -1,0 +1,128 @@
+"""Edges of summon_full_params and ignored modules where zeroshard once
+differed from torch FSDP1 (found by a side-by-side review), each checked
+against torch on 2 gloo ranks: NO_SHARD changes persist whatever writeback
+says; with_grads + writeback writes edited gradients back to the shards;
+recurse=False on a plain module holding units does nothing; a parameter an
+ignored module shares with a managed one stays out of the FlatParameter.
+(`_both` passes torch's own ShardingStrategy enum to zeroshard as well: it is
+accepted by name, as are torch's BackwardPrefetch and StateDictType.)"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed.fsdp as tfsdp
+import torch.nn as nn
+
+import zeroshard as zs
+from models import batch, build
+
+ENGINES = ((tfsdp, {"device_id": torch.device("cpu")}), (zs, {}))
+
+
+def _both(make, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        base = make()
+        return [lib.FullyShardedDataParallel(copy.deepcopy(base), **kw, **extra) for lib, extra in ENGINES]
+
+
+def _full(model):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _no_shard_edits_persist(rank, world_size, use_orig_params):
+    models = _both(lambda: build("mlp"), sharding_strategy=tfsdp.ShardingStrategy.NO_SHARD, use_orig_params=use_orig_params)
+    before = _full(models[1])
+    for (lib, _), m in zip(ENGINES, models):
+        m(batch("mlp", rank, 0))  # after a forward too
+        with lib.FullyShardedDataParallel.summon_full_params(m, writeback=False), torch.no_grad():
+            for p in m.parameters():
+                p.add_(1)
+    ref, ours = (_full(m) for m in models)
+    assert all(torch.equal(ref[k], ours[k]) for k in ref)
+    return all(torch.equal(ours[k], before[k] + 1) for k in before if k != "scale")
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_no_shard_summon_changes_persist_without_writeback(ranks, use_orig_params):
+    assert ranks.run(2, _no_shard_edits_persist, use_orig_params) == [True, True]
+
+
+def _grads_written_back(rank, world_size):
+    models = _both(lambda: build("mlp"), use_orig_params=True)
+    for (lib, _), m in zip(ENGINES, models):
+        m(batch("mlp", rank, 0)).sum().backward()
+        with lib.FullyShardedDataParallel.summon_full_params(m, with_grads=True):
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(0).add_(3)
+    grads = [[(n, p.grad) for n, p in m.named_parameters()] for m in models]
+    for (n, a), (_, b) in zip(*grads):
+        assert (a is None) == (b is None), n
+        assert a is None or torch.equal(a, b), n
+    return all(g is None or bool((g == 3).all()) for _, g in grads[1])
+
+
+def test_with_grads_writeback_reaches_the_shards(ranks):
+    """Gradients edited inside summon_full_params(with_grads=True) are this rank's shard afterwards, as in torch."""
+    assert ranks.run(2, _grads_written_back) == [True, True]
+
+
+def _plain_root_recurse_false(rank, world_size):
+    shapes = []
+    for lib, extra in ENGINES:
+        torch.manual_seed(0)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m[0] = lib.FullyShardedDataParallel(m[0], **extra)
+        with lib.FullyShardedDataParallel.summon_full_params(m, recurse=False):  # m has no FSDP state: nothing happens
+            shapes.append([(n.replace("_fsdp_wrapped_module.", ""), tuple(p.shape)) for n, p in m.named_parameters()])
+    assert shapes[0] == shapes[1], shapes
+    return shapes[1]
+
+
+def test_summon_recurse_false_on_a_plain_module_does_nothing(ranks):
+    assert ranks.run(2, _plain_root_recurse_false)[0][0] == ("0._flat_param", (10,))  # (16 + 4) / 2, not gathered
+
+
+class Shared(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.c(torch.relu(self.a(x)) + self.b(x))
+
+
+def _shared_with_ignored(rank, world_size, use_orig_params):
+    torch.manual_seed(0)
+    base = Shared()
+    models = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lib, extra in ENGINES:
+            m = copy.deepcopy(base)
+            models.append(lib.FullyShardedDataParallel(m, ignored_modules=[m.b], use_orig_params=use_orig_params, **extra))
+    names = [[(n, tuple(p.shape)) for n, p in m.named_parameters()] for m in models]
+    assert names[0] == names[1], names
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))
+    outs = [m(x) for m in models]
+    assert torch.equal(*outs)
+    for out in outs:
+        out.sum().backward()
+    for (n, a), (_, b) in zip(models[0].named_parameters(), models[1].named_parameters()):
+        assert (a.grad is None) == (b.grad is None) and (a.grad is None or torch.equal(a.grad, b.grad)), (n, a.grad, b.grad)
+    return names[1]
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_parameter_shared_with_an_ignored_module_stays_out(ranks, use_orig_params):
+    names = ranks.run(2, _shared_with_ignored, use_orig_params)[0]
+    assert ("_fsdp_wrapped_module.a.weight", (4, 4)) in names  # a plain (4, 4) parameter, not flattened
