@@ -126,3 +126,19 @@ def _shared_with_ignored(rank, world_size, use_orig_params):
 def test_parameter_shared_with_an_ignored_module_stays_out(ranks, use_orig_params):
     names = ranks.run(2, _shared_with_ignored, use_orig_params)[0]
     assert ("_fsdp_wrapped_module.a.weight", (4, 4)) in names  # a plain (4, 4) parameter, not flattened
+
+
+def _nested_summon(rank, world_size):
+    model = _both(lambda: build("mlp"))[1]
+    for inner in (lambda: zs.FSDP.summon_full_params(model).__enter__(), lambda: model.apply(lambda m: None)):
+        with zs.FSDP.summon_full_params(model):
+            with pytest.raises(RuntimeError, match="entered again inside summon_full_params"):
+                inner()
+    out = model(batch("mlp", rank, 0))  # the refused attempts left the unit usable
+    out.sum().backward()
+    return tuple(next(model.parameters()).shape)
+
+
+def test_summon_inside_summon_is_refused(ranks):
+    """torch refuses it too; zeroshard used to free the outer block's buffer and fail obscurely."""
+    assert ranks.run(2, _nested_summon) == [(336,), (336,)]

@@ -77,6 +77,10 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
         raise ValueError("zeroshard: summon_full_params(with_grads=True) needs use_orig_params=True (as in torch FSDP).")
     if offload_to_cpu and any(u.compute_device.type != "cpu" for u in units):
         raise ValueError("zeroshard: summon_full_params(offload_to_cpu=True) on a GPU module is not supported yet. Fix: leave offload_to_cpu=False.")
+    busy = next((u for u in units if u._summoning), None)
+    if busy is not None:  # torch refuses too; gathering twice would free the outer block's buffer
+        raise RuntimeError(f"zeroshard: summon_full_params (or apply / a state dict) entered again inside "
+                           f"summon_full_params of unit {type(busy.module).__name__}. Fix: do the work inside the open block.")
     handles = [u._handle for u in units if u._handle is not None]
     for h in handles:
         if h.state != HandleState.IDLE:
