@@ -95,6 +95,13 @@ class FlatLayout:
         return [p.fqn for p in self.params]
 
 
+def kept_out(ignored_modules, ignored_params) -> set:
+    """The parameters no FlatParameter may take: ``ignored_params`` plus every
+    parameter of an ignored module, by identity (also where a managed module
+    uses it too), as torch FSDP1 decides."""
+    return set(ignored_params) | {p for m in ignored_modules for p in m.parameters()}
+
+
 def collect_params(root: nn.Module, skip: set[nn.Module], ignored_params=frozenset()):
     """The (module, name, fqn, param) entries a unit rooted at ``root`` owns.
 

@@ -19,7 +19,7 @@ import torch.nn as nn
 from . import comm_hooks, groups, hooks, materialize, optim_legacy, optim_load, optim_state
 from . import state_dict as sd
 from .bucket import unit_strategy
-from .flat_param import FlatParameter, collect_params
+from .flat_param import FlatParameter, collect_params, kept_out
 from .grad_norm import clip_grad_norm_
 from .handle import FlatParamHandle
 from .hpz import SecondaryShards
@@ -126,9 +126,7 @@ class FullyShardedDataParallel(nn.Module):
         if sync_module_states:
             materialize.sync_module_states(module, outside_unit, [shard_group, replicate_group], ignored_params)
         nested = {m for m in module.modules() if _is_unit(m)}
-        # An ignored module's parameters stay out even where another module uses them too (torch: by identity).
-        left_out = ignored_params | {p for m in ignored for p in m.parameters()}
-        entries, aliases = collect_params(module, skip=nested | ignored, ignored_params=left_out)
+        entries, aliases = collect_params(module, skip=nested | ignored, ignored_params=kept_out(ignored, ignored_params))
         _check_unowned(entries, type(module).__name__)
         self._handle = None
         if entries:

@@ -26,6 +26,7 @@ from typing import Any, Callable, Iterable
 
 import torch.nn as nn
 
+from .flat_param import kept_out
 from .mixed_precision import run_in_fp32
 
 
@@ -184,7 +185,7 @@ def auto_wrap(module: nn.Module, policy: Callable, make_unit: Callable[[nn.Modul
     def numel_free(m: nn.Module) -> int:
         return sum(p.numel() for p in m.parameters() if not hasattr(p, "_zeroshard_unit") and p not in ignored_params)
 
-    ignored_params = set(ignored_params) | {p for m in ignored for p in m.parameters()}
+    ignored_params = kept_out(ignored, ignored_params)
 
     def visit(m: nn.Module, only_children: bool) -> tuple[nn.Module, int]:
         if m in ignored:
