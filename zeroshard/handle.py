@@ -25,6 +25,7 @@ import torch.nn as nn
 from . import comm, trace, validation
 from .flat_param import FlatLayout, FlatParameter, build_layout, flatten_params, shard_of
 from .options import ShardingStrategy
+from .orig_params import OrigParams
 from .quantize import QuantizedGather
 from .working_set import unsharded_tracker
 
@@ -40,7 +41,7 @@ class HandleState(enum.Enum):
     BACKWARD_POST = enum.auto()
 
 
-class FlatParamHandle:
+class FlatParamHandle(OrigParams):
     """Owns one unit's FlatParameter, its shard, and its padded unsharded buffer."""
 
     def __init__(self, entries, aliases, *, group, strategy: ShardingStrategy, use_orig_params: bool, unit_name: str,
@@ -97,6 +98,7 @@ class FlatParamHandle:
         self.always_full = not self.sharded and self.compute_dtype == dtype and self.local_shard.device == self.device
         self._full: torch.Tensor | None = self.local_shard if self.always_full else None
         self.orig_params: list[nn.Parameter] = params if use_orig_params else []
+        self.grad_none = set()
         for p in params:
             p._zeroshard_unit = unit_name  # marks it as owned; see wrap checks
         self.flat_param_host: nn.Module | None = None  # module whose _parameters hold flat_param
@@ -168,6 +170,7 @@ class FlatParamHandle:
 
         ``full_precision`` gathers in the shard's dtype even under mixed precision.
         """
+        self.writeback_orig_params()
         if self.unsharded:
             return
         dtype = self.dtype if full_precision else self.compute_dtype
@@ -219,6 +222,7 @@ class FlatParamHandle:
             _set_tensor(info.module, info.name, view, self.use_orig_params)
         for info in self.layout.shared:
             _set_tensor(info.module, info.name, views[info.prim_index], self.use_orig_params)
+        self.orig_exposed = False
 
     def keep_secondary(self):
         """hpZ: before the forward's buffer is freed, keep this rank's piece of it."""
@@ -247,28 +251,12 @@ class FlatParamHandle:
         if trace._active:
             trace.resharded(self.unit_name, self.padded_bytes if was_unsharded and not self.unsharded else 0, unsharded_tracker.live_bytes)
 
-    def use_sharded_views(self):
-        """With ``use_orig_params``, re-register the original nn.Parameters as
-        1-D views of this rank's shard (empty where the shard holds none of a
-        parameter), so the optimizer steps the shard in place."""
-        if not self.sharded:
-            flat = self.flat_param.detach()
-            for p, info in zip(self.orig_params, self.layout.params):
-                info.module._parameters[info.name] = p
-                p.data = flat[info.offset : info.offset + info.numel].view(info.shape)
-        else:
-            empty = self.local_shard.new_empty(0)
-            for p, info, sl in zip(self.orig_params, self.layout.params, self.layout.shard_slices):
-                info.module._parameters[info.name] = p
-                p.data = empty if sl is None else self.local_shard[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
-        for info in self.layout.shared:
-            info.module._parameters[info.name] = self.orig_params[info.prim_index]
-
     # ------------------------------------------------------- full parameters
     def enter_full_params(self, writeback: bool, with_grads: bool) -> dict:
         """Gather the full parameters and register them under their original
         names as ``nn.Parameter``s (for summon_full_params / state dicts).
         Returns what :meth:`exit_full_params` needs to undo it."""
+        self.writeback_orig_params()
         if self.unsharded and self._full.dtype != self.dtype:
             self.reshard(free=True)  # gathered in low precision for compute
         # NO_SHARD in place (always_full): the views are the parameters themselves, so changes
@@ -356,44 +344,6 @@ class FlatParamHandle:
         self.post_backward_called = False
         if self.use_orig_params:
             self.use_sharded_grad_views()
-
-    def use_sharded_grad_views(self):
-        g = self.flat_param.grad
-        for p, info, sl in zip(self.orig_params, self.layout.params, self.layout.shard_slices):
-            if g is None or not p.requires_grad:
-                p.grad = None
-            elif self.sharded and sl is None:
-                p.grad = None
-            else:
-                if self.sharded:
-                    view = g[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
-                else:
-                    view = g[info.offset : info.offset + info.numel].view(info.shape)
-                if view.dtype == p.dtype:
-                    p.grad = view
-                else:  # keep_low_precision_grads: a low-precision grad on a full-precision parameter
-                    if p.grad is None:
-                        p.grad = torch.empty_like(p)
-                    p.grad.data = view
-
-    def use_unsharded_grad_views(self):
-        """During ``no_sync`` the original parameters' grads view the unsharded
-        accumulated gradient (their data is still the 1-D shard, hence ``.data``)."""
-        g = self.flat_param.grad
-        for p, info in zip(self.orig_params, self.layout.params):
-            if g is None or not p.requires_grad:
-                p.grad = None
-                continue
-            view = g[info.offset : info.offset + info.numel].view(info.shape)
-            if p.grad is None:
-                p.grad = torch.empty_like(p)
-            p.grad.data = view
-
-    def reset_grad_if_orig_grads_none(self):
-        """``optimizer.zero_grad(set_to_none=True)`` clears the original
-        parameters' grads; drop the flat gradient they were views of."""
-        if self.use_orig_params and all(p.grad is None for p in self.orig_params):
-            self.flat_param.grad = None
 
 
 def _register(module: nn.Module, name: str, param: nn.Parameter):

@@ -161,6 +161,9 @@ def post_forward(state, output):
         if not keep and torch.is_grad_enabled():
             handle.keep_secondary()  # hpZ: the backward gathers from it within the group
         handle.reshard(free=not keep)
+        # torch re-points the grads too, except for ZeRO-2 units computing with grad mode
+        if handle.use_orig_params and not recompute and not (torch.is_grad_enabled() and handle.strategy not in RESHARD_AFTER_FORWARD):
+            handle.use_grad_views_after_forward()
         handle.state = HandleState.IDLE
     _register_pre_backward(state, output)
     return output
@@ -239,6 +242,8 @@ def post_backward(state, flat_param):
         if handle.use_orig_params:
             handle.use_unsharded_grad_views()
         return
+    if handle.use_orig_params:
+        handle.gradients_computed()
     rt = state._runtime
     rt.pending += reduce.start_reduction(handle, rt.bucketer)
 

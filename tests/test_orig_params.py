@@ -1,0 +1,99 @@
+"""use_orig_params=True: what a user does to the original parameters between
+steps reaches the shards, as torch FSDP1's writeback does (found through
+torch's _NamedOptimizer, whose eager state init assigns p.grad = zeros).
+Each edit is made to both engines' models after a step and compared with torch
+FSDP1 on 2 gloo ranks: gradients (and which are None), parameters after an
+AdamW step, and forward outputs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from models import batch
+from parity import wrapped_with_adamw as _engines
+
+
+def _assign_grads(model, opt):
+    opt.zero_grad(set_to_none=True)
+    for p in model.parameters():  # e.g. a named optimizer's init_state: grads that are not views of the flat grad
+        p.grad = torch.ones_like(p)
+
+
+def _drop_some_grads(model, opt):
+    for p in list(model.parameters())[:3]:  # the rest keep accumulating
+        p.grad = None
+
+
+def _replace_data(model, opt):
+    for p in list(model.parameters())[::2]:
+        p.data = p.data * 2  # new storage, same shape
+
+
+def _new_parameter(model, opt):
+    name = "_fsdp_wrapped_module.blocks.1._fsdp_wrapped_module.l1"
+    lin = dict(model.named_modules())[name]
+    lin.weight = nn.Parameter(lin.weight.detach() * 3)  # this rank's slice, as the old one was
+
+
+EDITS = {f.__name__[1:]: f for f in (_assign_grads, _drop_some_grads, _replace_data, _new_parameter)}
+
+
+def _grads(model):
+    return [(n, None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()]
+
+
+def _same(a, b, where):
+    assert len(a) == len(b), where
+    for (na, ta), (nb, tb) in zip(a, b):
+        assert na == nb and (ta is None) == (tb is None), (where, na, ta is None, tb is None)
+        assert ta is None or torch.equal(ta, tb), (where, na, (ta - tb).abs().max().item())
+
+
+def _edit_then_train(rank, world_size, strategy, edit):
+    (ref, ours), opts = _engines("mlp", True, strategy)
+    models = (ref, ours)
+    seen = {}
+    for m, o in zip(models, opts):
+        m(batch("mlp", rank, 0)).float().pow(2).mean().backward()
+        o.step()  # no zero_grad: the next backward accumulates onto these grads
+        EDITS[edit](m, o)
+        with torch.no_grad():  # the pre-forward unshard writes the edits back; no backward follows
+            seen.setdefault("eval", []).append(m(batch("mlp", rank, 1)))
+        seen.setdefault("after_eval", []).append(_grads(m))
+        out = m(batch("mlp", rank, 2))
+        out.float().pow(2).mean().backward()
+        seen.setdefault("out", []).append(out)
+        seen.setdefault("grads", []).append(_grads(m))
+        o.step()
+        seen.setdefault("params", []).append([(n, p.detach().clone()) for n, p in m.named_parameters()])
+    assert torch.equal(*seen["eval"]) and torch.equal(*seen["out"]), edit
+    for key in ("after_eval", "grads", "params"):
+        _same(*seen[key], f"{edit}: {key}")
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("edit", sorted(EDITS))
+def test_edits_between_steps_match_torch(ranks, strategy, edit):
+    assert all(ranks.run(2, _edit_then_train, strategy, edit))
+
+
+def _bad_shape(rank, world_size):
+    (ref, ours), _ = _engines("mlp", True, engines=("torch", "zeroshard"))
+    errors = []
+    for m in (ref, ours):
+        for p in m.parameters():
+            if p.numel():
+                p.data = torch.zeros(p.numel() + 1)
+        try:
+            m(batch("mlp", rank, 0))
+        except RuntimeError as e:
+            errors.append(str(e))
+    assert len(errors) == 2, errors  # torch: "Cannot writeback when the parameter shape changes"
+    assert "must keep the shape" in errors[1] and "Fix:" in errors[1], errors[1]
+    return True
+
+
+def test_replaced_parameter_of_another_shape_is_refused(ranks):
+    assert all(ranks.run(2, _bad_shape))

@@ -1,0 +1,168 @@
+"""``use_orig_params=True``: the original nn.Parameters live on as views of the shard.
+
+torch FSDP1 (and zeroshard) let the optimizer hold the module's own
+parameters instead of one FlatParameter. Between steps each original parameter
+is a 1-D view of its slice of this rank's shard (empty where the shard holds
+none of it), and its ``.grad`` a view of the same slice of the sharded
+gradient, so an optimizer step updates the shard in place. While the unit
+computes, the module sees plain views of the all-gathered buffer instead.
+
+Users may still change those parameters between steps without going through
+the views: assign ``p.data = ...`` or a new Parameter to the module, assign
+``p.grad = ...`` (e.g. a named optimizer's eager state init) or set one
+parameter's grad to None. :meth:`OrigParams.writeback_orig_params` runs before
+every unshard, as torch's does, and copies such changes into the shard and the
+sharded gradient, so the next all-gather and the next accumulation see them
+instead of silently overwriting them.
+
+A mixin of :class:`~zeroshard.handle.FlatParamHandle` (its ``layout``,
+``local_shard``, ``flat_param``, ``orig_params``).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+
+def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+class OrigParams:
+    """The original parameters' views of the shard, their grads, and writeback."""
+
+    # Indices of parameters whose grad the user set to None while the flat
+    # gradient existed: their slice was zeroed and their .grad stays None until
+    # a backward computes them again (torch's _is_grad_none_mask).
+    grad_none: set[int]
+    # True from the moment the original parameters are handed back to the user
+    # (between steps) until writeback has checked them: only then can the user
+    # have replaced them, and one check per exposure is enough.
+    orig_exposed: bool = False
+
+    def use_sharded_views(self):
+        """Re-register the original nn.Parameters as 1-D views of this rank's
+        shard (full-shape views of the flat buffer under NO_SHARD)."""
+        if not self.sharded:
+            flat = self.flat_param.detach()
+            for p, info in zip(self.orig_params, self.layout.params):
+                info.module._parameters[info.name] = p
+                p.data = flat[info.offset : info.offset + info.numel].view(info.shape)
+        else:
+            empty = self.local_shard.new_empty(0)
+            for p, info, sl in zip(self.orig_params, self.layout.params, self.layout.shard_slices):
+                info.module._parameters[info.name] = p
+                p.data = empty if sl is None else self.local_shard[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
+        for info in self.layout.shared:
+            info.module._parameters[info.name] = self.orig_params[info.prim_index]
+        self.orig_exposed = True
+
+    def use_sharded_grad_views(self):
+        g = self.flat_param.grad
+        for i, (p, info, sl) in enumerate(zip(self.orig_params, self.layout.params, self.layout.shard_slices)):
+            if g is None or not p.requires_grad or i in self.grad_none:
+                p.grad = None
+            elif self.sharded and sl is None:
+                p.grad = None
+            else:
+                if self.sharded:
+                    view = g[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
+                else:
+                    view = g[info.offset : info.offset + info.numel].view(info.shape)
+                if view.dtype == p.dtype:
+                    p.grad = view
+                else:  # keep_low_precision_grads: a low-precision grad on a full-precision parameter
+                    if p.grad is None:
+                        p.grad = torch.empty_like(p)
+                    p.grad.data = view
+
+    def use_grad_views_after_forward(self):
+        """After a forward, re-point the grads at the flat gradient, as torch
+        does: unsharded views while ``no_sync`` accumulates an unsharded one."""
+        g = self.flat_param.grad
+        if self.sharded and g is not None and g.numel() == self.layout.numel != self.local_shard.numel():
+            self.use_unsharded_grad_views()
+        else:
+            self.use_sharded_grad_views()
+
+    def use_unsharded_grad_views(self):
+        """During ``no_sync`` the original parameters' grads view the unsharded
+        accumulated gradient (their data is still the 1-D shard, hence ``.data``)."""
+        g = self.flat_param.grad
+        for p, info in zip(self.orig_params, self.layout.params):
+            if g is None or not p.requires_grad:
+                p.grad = None
+                continue
+            view = g[info.offset : info.offset + info.numel].view(info.shape)
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.data = view
+
+    def reset_grad_if_orig_grads_none(self):
+        """``optimizer.zero_grad(set_to_none=True)`` clears the original
+        parameters' grads; drop the flat gradient they were views of."""
+        if self.use_orig_params and all(p.grad is None for p in self.orig_params):
+            self.flat_param.grad = None
+
+    def gradients_computed(self):
+        """A synchronized backward gave every parameter that requires grad a gradient."""
+        self.grad_none -= {i for i, p in enumerate(self.orig_params) if p.requires_grad}
+
+    def writeback_orig_params(self):
+        """Copy what the user changed on the original parameters since the last
+        reshard into the shard and the sharded gradient (torch FSDP1's
+        ``_writeback_orig_params``):
+
+        * a new Parameter assigned to the module, or ``p.data`` re-pointed: its
+          values go into the shard (a new Parameter replaces the old one; its
+          gradient is not carried over, as in torch);
+        * ``p.grad`` assigned a tensor that is not a view of the flat gradient:
+          its values go into the flat gradient (created as zeros if needed);
+        * ``p.grad`` set to None while the flat gradient exists: that slice is
+          zeroed and ``p.grad`` stays None until the next backward.
+        """
+        if not self.use_orig_params or not self.orig_exposed:
+            return
+        flat_grad = self.flat_param.grad
+        for i, info in enumerate(self.layout.params):
+            if self.sharded:
+                sl = self.layout.shard_slices[i]
+                if sl is None:
+                    continue
+                offset, numel = sl.offset_in_shard, sl.numel_in_shard
+            else:
+                offset, numel = info.offset, info.numel
+            p = self.orig_params[i]
+            now = info.module._parameters.get(info.name)
+            if now is None:
+                continue  # deregistered (e.g. by checkpointing code), as torch skips it
+            if now is not p:
+                if not isinstance(now, nn.Parameter):
+                    continue
+                now._zeroshard_unit = self.unit_name
+                self.orig_params[i] = p = now
+                self._write_slice(p, self.local_shard, offset, numel, info, "parameter")
+            elif not _same_storage(p, self.local_shard):
+                self._write_slice(p, self.local_shard, offset, numel, info, "parameter")
+            if p.grad is None:
+                if flat_grad is not None:
+                    flat_grad[offset : offset + numel].zero_()
+                    self.grad_none.add(i)
+            elif flat_grad is None or not _same_storage(p.grad, flat_grad):
+                if flat_grad is None:
+                    flat_grad = self.flat_param.grad = torch.zeros_like(self.local_shard)
+                self._write_slice(p.grad, flat_grad, offset, numel, info, "gradient")
+                self.grad_none.discard(i)
+        self.orig_exposed = False
+
+    def _write_slice(self, src: torch.Tensor, dst: torch.Tensor, offset: int, numel: int, info, what: str):
+        # Between steps a parameter is this rank's 1-D slice (sharded) or its full shape (NO_SHARD).
+        expected = torch.Size([numel]) if self.sharded else info.shape
+        if src.shape != expected:
+            raise RuntimeError(
+                f"zeroshard: the {what} of '{info.fqn}' in unit '{self.unit_name}' was replaced by a tensor of shape "
+                f"{tuple(src.shape)}; with use_orig_params=True it must keep the shape {tuple(expected)} of the view "
+                "it replaced (this rank's slice). Fix: update it in place (p.data.copy_(...), p.grad.copy_(...)) "
+                "or inside summon_full_params().")
+        with torch.no_grad():
+            dst[offset : offset + numel].copy_(src.reshape(-1))
