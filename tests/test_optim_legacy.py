@@ -92,6 +92,49 @@ def test_sharded_optim_state_dict_round_trip(ranks, use_orig_params):
     assert all(ranks.run(2, _sharded_round_trip, use_orig_params))
 
 
+def _named_optimizer(rank, world_size, use_orig_params):
+    """torch's _NamedOptimizer (is_named_optimizer=True): state keyed by the wrapped
+    model's parameter names. The FULL dict, the per-rank dict to load, and training
+    after loading it into a fresh named optimizer are equal to torch's."""
+    from torch.distributed.optim.named_optimizer import _NamedOptimizer
+
+    (ref, ours), _ = _engines("mlp", use_orig_params)
+    models = (ref, ours)
+    named = [_NamedOptimizer(m.named_parameters(), torch.optim.AdamW, module=m, lr=1e-2) for m in models]
+    for step in range(3):
+        for m, o in zip(models, named):
+            _step(m, o._optimizer, "mlp", rank, step)
+    # The named optimizer's own dict lists parameters by name: optim_state_dict maps them back.
+    assert all(isinstance(k, str) for k in _quiet(named[1].state_dict)["state"])
+    full_t = _torch_osd(ref, named[0])
+    full_z = zs.FSDP.optim_state_dict(ours, named[1])
+    _assert_osd_equal(full_t, full_z)
+    # Fresh named optimizers create their state eagerly (as torchrec's do), also for parameters
+    # with no element in this rank's shard: that state is kept as the optimizer holds it.
+    fresh = [_NamedOptimizer(m.named_parameters(), torch.optim.AdamW, module=m, lr=1e-2) for m in models]
+    for o in fresh:
+        _quiet(o.init_state)
+    load_t = _quiet(TF.optim_state_dict_to_load, ref, fresh[0]._optimizer, full_t, is_named_optimizer=True)
+    load_z = zs.FSDP.optim_state_dict_to_load(ours, fresh[1]._optimizer, full_z, is_named_optimizer=True)
+    assert all(isinstance(k, str) for k in load_z["state"]) and load_z["param_groups"][0]["params"]
+    _assert_osd_equal(load_t, load_z)
+    # torch's named optimizer converts torch's dict itself; zeroshard's is given the converted one.
+    _quiet(fresh[0].load_state_dict, full_t)
+    fresh[1].load_state_dict(load_z)
+    _assert_local_equal(fresh[0]._optimizer.state_dict(), fresh[1]._optimizer.state_dict())
+    for step in range(3, 5):
+        for m, o in zip(models, fresh):
+            _step(m, o._optimizer, "mlp", rank, step)
+    for (n_t, p_t), (n_z, p_z) in zip(ref.named_parameters(), ours.named_parameters()):
+        assert n_t == n_z and torch.equal(p_t, p_z), n_z
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_named_optimizer_matches_torch(ranks, use_orig_params):
+    assert all(ranks.run(3, _named_optimizer, use_orig_params))
+
+
 def _rekey(rank, world_size):
     ref, ours, opt_ref, opt_ours = _trained(rank, "mlp", False)
     full = zs.FSDP.full_optim_state_dict(ours, opt_ours, rank0_only=False)

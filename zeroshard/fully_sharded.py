@@ -278,9 +278,7 @@ class FullyShardedDataParallel(nn.Module):
     def optim_state_dict_to_load(model, optim, optim_state_dict, is_named_optimizer=False, load_directly=False, group=None):
         """An optimizer state dict (full, rank 0's with rank0_only, or sharded rows) cut to this
         rank's shards, for ``optim.load_state_dict`` (or loaded directly with ``load_directly=True``)."""
-        if is_named_optimizer:
-            raise ValueError("zeroshard: is_named_optimizer=True is not supported. Fix: use a torch.optim optimizer.")
-        out = optim_load.optim_state_dict_to_load(model, optim, optim_state_dict, group)
+        out = optim_load.optim_state_dict_to_load(model, optim, optim_state_dict, group, named=is_named_optimizer)
         if load_directly:
             optim.load_state_dict(out)
         return out

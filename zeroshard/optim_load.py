@@ -18,6 +18,7 @@ beyond what it was given.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -99,7 +100,7 @@ class _Rank0States:
 
 
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, group=None,
-                             rank0_only: bool | None = None) -> dict:
+                             rank0_only: bool | None = None, named: bool = False) -> dict:
     """Turn an optimizer state dict from :func:`optim_state_dict` (FULL, or
     SHARDED rows: zeroshard's DTensors or torch FSDP1's ShardedTensors) into
     ``optim.load_state_dict``'s input for this rank.
@@ -109,6 +110,10 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     only rank 0's dict is read (other ranks may pass ``{}``) and broadcast.
     ``rank0_only`` overrides that setting (torch's older API names it in the
     call: ``optim_legacy``). ``optim`` may be anything with ``param_groups``.
+
+    ``named`` (torch's ``is_named_optimizer``): key the result by parameter
+    name instead of position, for torchrec's KeyedOptimizer or torch's
+    ``_NamedOptimizer`` (see :func:`_by_name`).
     """
     if rank0_only is None:
         rank0_only = _settings(model)[1]
@@ -118,7 +123,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
         source = _FullStates(optim_state_dict)
     index = _param_index(model)
     params = _optim_params(optim)
-    state, fqn_groups = {}, []
+    state, fqn_groups, empty_shard = {}, [], []
     for pid, p in enumerate(params):
         kind, h, i, names = index.get(id(p), ("plain", None, None, None))
         if names is None:
@@ -128,7 +133,10 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
         if kind == "flat":
             st = _flatten_shard(h, names, {f: v for f in names if (v := source.get(f)) is not None})
         elif kind == "orig":
-            st = _orig_shard(h, i, source.get(names))
+            full = source.get(names)
+            st = _orig_shard(h, i, full)
+            if full is not None and st is None:
+                empty_shard.append(pid)
         else:
             full = source.get(names)
             st = {k: v.clone() if torch.is_tensor(v) else v for k, v in full.items()} if full is not None else None
@@ -150,7 +158,26 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
                              f"parameters (missing e.g. {missing}, unexpected e.g. {extra}). Fix: load a state dict "
                              "saved from the same model and param groups.")
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    if named:
+        return _by_name(model, optim, params, state, groups, empty_shard)
     return {"state": state, "param_groups": groups}
+
+
+def _by_name(model: nn.Module, optim, params: list, state: dict, groups: list, empty_shard: list) -> dict:
+    """The dict keyed as a named optimizer keys it: each parameter by its name
+    in ``model.named_parameters()`` (with the units' prefixes, as the named
+    optimizer was built from), each group's names sorted, as torch FSDP1 does.
+    A named optimizer creates every parameter's state eagerly, also for
+    ``use_orig_params`` parameters with no element in this rank's shard: those
+    keep the state the optimizer already holds (torch copies it the same way)."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    for pid in empty_shard:
+        held = optim.state.get(params[pid])
+        if held:
+            state[pid] = copy.deepcopy(held)
+    keyed = {name_of[id(params[pid])]: st for pid, st in sorted(state.items())}
+    groups = [{**g, "params": sorted(name_of[id(params[pid])] for pid in g["params"])} for g in groups]
+    return {"state": keyed, "param_groups": groups}
 
 
 def _flatten_shard(h, fqns: list[str], full: dict) -> dict | None:

@@ -294,11 +294,19 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, sharded: bool)
             state[fqn] = _ordered({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in optim.state[p].items()})
     if any(index.get(id(p), ("",))[0] == "orig" for p in params):
         state = dict(sorted(state.items()))  # torch merges the ranks' keys and sorts them with use_orig_params
+    # A named optimizer (torch's _NamedOptimizer, torchrec's KeyedOptimizer)
+    # lists each group's parameters by their names in the wrapped model.
+    by_name = dict(model.named_parameters()) if any(isinstance(k, str) for g in osd["param_groups"] for k in g["params"]) else {}
     groups = []
     for g in osd["param_groups"]:
         fqns = []
-        for pid in g["params"]:
-            kind, _, _, names = index.get(id(params[pid]), ("plain", None, None, None))
+        for key in g["params"]:
+            p = params[key] if not isinstance(key, str) else by_name.get(key)
+            if p is None:
+                raise ValueError(f"zeroshard: optim_state_dict: the optimizer's state dict names parameter '{key}', which "
+                                 "model.named_parameters() does not have. Fix: build the named optimizer from this wrapped "
+                                 "model's named_parameters().")
+            kind, _, _, names = index.get(id(p), ("plain", None, None, None))
             fqns += names if kind == "flat" else [names]
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
     return {"state": state, "param_groups": groups}
