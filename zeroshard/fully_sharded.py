@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm_hooks, groups, hooks, materialize, optim_legacy, optim_load, optim_state
+from . import comm_hooks, groups, hooks, materialize, optim_legacy, optim_load, optim_state, validation
 from . import state_dict as sd
 from .bucket import unit_strategy
-from .flat_param import FlatParameter, collect_params, kept_out
+from .flat_param import collect_params, kept_out
 from .grad_norm import clip_grad_norm_
 from .handle import FlatParamHandle
 from .hpz import SecondaryShards
@@ -67,7 +67,7 @@ class FullyShardedDataParallel(nn.Module):
         sharding_strategy = as_member(sharding_strategy, ShardingStrategy, "sharding_strategy")
         backward_prefetch = as_member(backward_prefetch, BackwardPrefetch, "backward_prefetch")
         strategy = sharding_strategy or (ShardingStrategy.HYBRID_SHARD if fsdp_group_size else ShardingStrategy.FULL_SHARD)
-        ignored_modules, ignored_params = _split_ignored(ignored_modules, ignored_states, module)
+        ignored_modules, ignored_params = validation.split_ignored(ignored_modules, ignored_states, module)
         if isinstance(module, FullyShardedDataParallel):
             raise ValueError(
                 "zeroshard: the module is already a FullyShardedDataParallel unit; wrapping it again would "
@@ -101,7 +101,7 @@ class FullyShardedDataParallel(nn.Module):
         self.quantized_all_gather = quantized_all_gather
         self.hpz_group_size = hpz_group_size
         hpz_group = groups.hpz_group(hpz_group_size, shard_group, strategy) if hpz_group_size and self.world_size > 1 else None
-        self.compute_device = _compute_device(module, device_id, shard_group)
+        self.compute_device = validation.compute_device(module, device_id, shard_group)
         ignored = {m for root in (ignored_modules or ()) for m in root.modules()}
         if auto_wrap_policy is not None:
             unit_kwargs = dict(
@@ -127,7 +127,7 @@ class FullyShardedDataParallel(nn.Module):
             materialize.sync_module_states(module, outside_unit, [shard_group, replicate_group], ignored_params)
         nested = {m for m in module.modules() if _is_unit(m)}
         entries, aliases = collect_params(module, skip=nested | ignored, ignored_params=kept_out(ignored, ignored_params))
-        _check_unowned(entries, type(module).__name__)
+        validation.check_unowned(entries, type(module).__name__)
         self._handle = None
         if entries:
             numel = sum(e[3].numel() for e in entries)
@@ -350,66 +350,6 @@ class FullyShardedDataParallel(nn.Module):
 
 def _is_unit(m: nn.Module) -> bool:
     return isinstance(m, FullyShardedDataParallel)
-
-
-def _check_unowned(entries, unit: str):
-    for _, _, fqn, p in entries:
-        if isinstance(p, FlatParameter) or hasattr(p, "_zeroshard_unit"):
-            owner = getattr(p, "_zeroshard_unit", "another unit")
-            raise ValueError(
-                f"zeroshard: parameter '{fqn}' of unit '{unit}' is already managed by unit '{owner}' "
-                "(a parameter shared across two units, or a module wrapped twice). Fix: put every module that "
-                "uses a shared parameter inside one unit (e.g. wrap their common parent), and wrap each module once."
-            )
-
-
-def _compute_device(module: nn.Module, device_id, group) -> torch.device:
-    devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
-    devices.discard(torch.device("meta"))  # materialized on the compute device (see materialize)
-    if device_id is not None:
-        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(
-                f"zeroshard: device_id={device} but CUDA is not available on this machine. "
-                'Fix: pass device_id=torch.device("cpu") (gloo) or run where a GPU is visible.'
-            )
-        for d in devices:
-            if d.type != "cpu" and d != device:
-                raise ValueError(
-                    f"zeroshard: the module has parameters on {d} but device_id={device}. "
-                    "Fix: move the module to device_id (or to CPU) before wrapping."
-                )
-        if device.type != "cpu" and any(d.type == "cpu" for d in devices):
-            module.to(device)
-    elif len(devices) > 1:
-        raise ValueError(f"zeroshard: the module's parameters are on several devices {sorted(map(str, devices))}. Fix: move it to one device.")
-    else:
-        device = next(iter(devices), torch.device("cpu"))
-    backend = dist.get_backend(group)
-    if backend == "nccl" and device.type != "cuda":
-        raise ValueError(
-            f"zeroshard: the process group uses NCCL but the module is on {device}. "
-            "Fix: pass device_id=torch.cuda.current_device() or move the module to its GPU."
-        )
-    return device
-
-
-def _split_ignored(ignored_modules, ignored_states, module):
-    """torch FSDP1's ``ignored_states``: modules (as ``ignored_modules``) or
-    parameters (kept out of every FlatParameter: replicated, not reduced)."""
-    if ignored_states is None:
-        return ignored_modules, frozenset()
-    if ignored_modules is not None:
-        raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): pass ignored_modules or "
-                         "ignored_states, not both. Fix: put the modules in ignored_states (or use ignored_modules alone).")
-    states = list(ignored_states)
-    if all(isinstance(s, nn.Module) for s in states):
-        return states, frozenset()
-    if all(isinstance(s, nn.Parameter) for s in states):
-        return None, frozenset(states)
-    raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_states must be all "
-                     f"nn.Parameters or all nn.Modules, got {sorted({type(s).__name__ for s in states})}. "
-                     "Fix: split them, passing one kind.")
 
 
 FSDP = FullyShardedDataParallel

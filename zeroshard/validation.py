@@ -1,4 +1,5 @@
-"""Checks a unit passes before it is sharded: one dtype, one device, uniform
+"""Checks a unit passes before it is sharded: its ignored states, its compute
+device, parameters no other unit owns, one dtype, one device, uniform
 requires_grad (without use_orig_params), and the same layout on every rank;
 and, at an optimizer's first step, that it was not built over parameters the
 FlatParameters replaced.
@@ -11,11 +12,13 @@ from __future__ import annotations
 
 import warnings
 
+import torch
 import torch.distributed as dist
+import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from . import comm
-from .flat_param import FlatLayout
+from .flat_param import FlatLayout, FlatParameter
 
 
 def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str):
@@ -100,3 +103,65 @@ def watch_optimizers():
     """Install (once per process) the check above as a global optimizer step pre-hook."""
     if not _optimizer_hook:
         _optimizer_hook.append(register_optimizer_step_pre_hook(_check_optimizer_params))
+
+
+def check_unowned(entries, unit: str):
+    """No parameter may belong to two units (or be a FlatParameter already)."""
+    for _, _, fqn, p in entries:
+        if isinstance(p, FlatParameter) or hasattr(p, "_zeroshard_unit"):
+            owner = getattr(p, "_zeroshard_unit", "another unit")
+            raise ValueError(
+                f"zeroshard: parameter '{fqn}' of unit '{unit}' is already managed by unit '{owner}' "
+                "(a parameter shared across two units, or a module wrapped twice). Fix: put every module that "
+                "uses a shared parameter inside one unit (e.g. wrap their common parent), and wrap each module once."
+            )
+
+
+def compute_device(module: nn.Module, device_id, group) -> torch.device:
+    """Where the unit computes: ``device_id``, else the one device its tensors are on (meta excluded)."""
+    devices = {p.device for p in module.parameters()} | {b.device for b in module.buffers()}
+    devices.discard(torch.device("meta"))  # materialized on the compute device (see materialize)
+    if device_id is not None:
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(
+                f"zeroshard: device_id={device} but CUDA is not available on this machine. "
+                'Fix: pass device_id=torch.device("cpu") (gloo) or run where a GPU is visible.'
+            )
+        for d in devices:
+            if d.type != "cpu" and d != device:
+                raise ValueError(
+                    f"zeroshard: the module has parameters on {d} but device_id={device}. "
+                    "Fix: move the module to device_id (or to CPU) before wrapping."
+                )
+        if device.type != "cpu" and any(d.type == "cpu" for d in devices):
+            module.to(device)
+    elif len(devices) > 1:
+        raise ValueError(f"zeroshard: the module's parameters are on several devices {sorted(map(str, devices))}. Fix: move it to one device.")
+    else:
+        device = next(iter(devices), torch.device("cpu"))
+    backend = dist.get_backend(group)
+    if backend == "nccl" and device.type != "cuda":
+        raise ValueError(
+            f"zeroshard: the process group uses NCCL but the module is on {device}. "
+            "Fix: pass device_id=torch.cuda.current_device() or move the module to its GPU."
+        )
+    return device
+
+
+def split_ignored(ignored_modules, ignored_states, module):
+    """torch FSDP1's ``ignored_states``: modules (as ``ignored_modules``) or
+    parameters (kept out of every FlatParameter: replicated, not reduced)."""
+    if ignored_states is None:
+        return ignored_modules, frozenset()
+    if ignored_modules is not None:
+        raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): pass ignored_modules or "
+                         "ignored_states, not both. Fix: put the modules in ignored_states (or use ignored_modules alone).")
+    states = list(ignored_states)
+    if all(isinstance(s, nn.Module) for s in states):
+        return states, frozenset()
+    if all(isinstance(s, nn.Parameter) for s in states):
+        return None, frozenset(states)
+    raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_states must be all "
+                     f"nn.Parameters or all nn.Modules, got {sorted({type(s).__name__ for s in states})}. "
+                     "Fix: split them, passing one kind.")
