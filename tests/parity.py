@@ -23,7 +23,7 @@ DEFAULTS = dict(
     model="mlp", strategy="FULL_SHARD", use_orig_params=False, backward_prefetch="BACKWARD_PRE",
     forward_prefetch=False, limit_all_gathers=True, policy="module", steps=3, accum=2, clip=0.05,
     no_sync=False, lr=1e-2, min_num_params=100, model_kwargs={}, mp=None, hybrid=None, optim="adamw",
-    comm_hook=None, ignored=(), unit_strategies=(),
+    comm_hook=None, ignored=(), unit_strategies=(), freeze=(),
 )
 
 
@@ -196,6 +196,8 @@ def _train_and_compare(rank: int, case: dict) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = build(case["model"], **case["model_kwargs"])
+        for name in case["freeze"]:  # submodules frozen before wrapping (whole units)
+            base.get_submodule(name).requires_grad_(False)
         ref = _wrap("torch", copy.deepcopy(base), case)
         ours = _wrap("zeroshard", copy.deepcopy(base), case)
         if case["comm_hook"] is not None:

@@ -112,6 +112,16 @@ def test_frozen_parameters_use_orig_params(ranks, world_size, policy, strategy):
         assert any("lora" in n for n in sum((x["with_state"] for x in results), []))
 
 
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_wholly_frozen_units(ranks, strategy, use_orig_params):
+    """A unit whose parameters are all frozen (one block, frozen before
+    wrapping) wraps and trains as under torch FSDP1: it gathers for forward,
+    gets no gradient and no optimizer state."""
+    results = ranks.run(2, run_case, dict(strategy=strategy, use_orig_params=use_orig_params, freeze=("blocks.1",)))
+    assert not any(n.startswith("_fsdp_wrapped_module.blocks.1.") for n in results[0]["with_state"]), results[0]["with_state"]
+
+
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_keep_low_precision_grads(ranks, strategy, use_orig_params):

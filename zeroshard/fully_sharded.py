@@ -146,11 +146,8 @@ class FullyShardedDataParallel(nn.Module):
             self._handle.flat_param_host = module
             if not use_orig_params:
                 module._parameters[FLAT_PARAM] = flat
-            # The hook lives in C++ (on the tensor), out of the garbage
-            # collector's sight: a strong reference to self would keep every
-            # wrapped model alive forever.
-            unit = weakref.ref(self)
-            flat.register_post_accumulate_grad_hook(lambda p: hooks.post_backward(unit(), p))
+        self._post_backward_hooked = False
+        self._hook_post_backward()
         self._comm_hook = self._comm_hook_state = None
         self._summoning = 0  # > 0 inside summon_full_params
         self._is_root: bool | None = None
@@ -189,8 +186,21 @@ class FullyShardedDataParallel(nn.Module):
                 s._handle.unit_name = (paths[s].replace("_fsdp_wrapped_module.", "") or "<root>") + f" ({s._handle.unit_name})"
 
 
+    def _hook_post_backward(self):
+        """Run ``hooks.post_backward`` when the FlatParameter's gradient is complete.
+        A unit whose parameters are all frozen gets the hook once one requires grad."""
+        h = self._handle
+        if self._post_backward_hooked or h is None or not h.flat_param.requires_grad:
+            return
+        # The hook lives in C++ (on the tensor), out of the garbage collector's
+        # sight: a strong reference to self would keep every wrapped model alive forever.
+        unit = weakref.ref(self)
+        h.flat_param.register_post_accumulate_grad_hook(lambda p: hooks.post_backward(unit(), p))
+        self._post_backward_hooked = True
+
     def forward(self, *args, **kwargs):
         self._lazy_init()
+        self._hook_post_backward()
         mp = self.mixed_precision
         if self._is_root:
             hooks.root_pre_forward(self)
