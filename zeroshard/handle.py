@@ -141,12 +141,16 @@ class FlatParamHandle(OrigParams):
     def _placeholder_views(self):
         """Until the first unshard, the module attributes are views of the freed
         full buffer, as after every reshard: the module prints and introspects
-        (repr, apply) as under torch FSDP1, though its values are not readable."""
+        (repr, apply) as under torch FSDP1, though its values are not readable.
+        A buffer still gathered (the root between forward and backward) stays so."""
         full = self._full_buffer(self.compute_dtype)
         storage = full.untyped_storage()
-        storage.resize_(full.numel() * full.element_size())  # views need the storage's size
+        freed = storage.nbytes() == 0  # else gathered and kept (a root between forward and backward)
+        if freed:
+            storage.resize_(full.numel() * full.element_size())  # views need the storage's size
         views = [full[p.offset : p.offset + p.numel].view(p.shape) for p in self.layout.params]
-        storage.resize_(0)
+        if freed:
+            storage.resize_(0)
         for view, info in zip(views, self.layout.params):
             info.module.__dict__[info.name] = view
         for info in self.layout.shared:
