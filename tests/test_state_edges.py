@@ -54,3 +54,39 @@ def _state_dict_between_forward_and_backward(rank, world_size, strategy, use_ori
 @pytest.mark.parametrize("mp", [None, {"param_dtype": "bfloat16"}], ids=["fp32", "bf16"])
 def test_state_dict_between_forward_and_backward(ranks, strategy, use_orig_params, mp):
     assert all(ranks.run(2, _state_dict_between_forward_and_backward, strategy, use_orig_params, mp))
+
+
+def _errors_and_roots(rank, world_size):
+    import torch.distributed.fsdp as tfsdp
+
+    import zeroshard as zs
+
+    models = _engines()
+    # fsdp_modules(root_only=True) before any forward: the lazy init decides, as in torch.
+    roots = [lib.FullyShardedDataParallel.fsdp_modules(m, root_only=True) for lib, m in zip((tfsdp, zs), models)]
+    assert [len(r) for r in roots] == [1, 1] and all(r[0] is m for r, m in zip(roots, models)), roots
+    # clip_grad_norm_ with no gradient anywhere: the same norm and torch's warning.
+    seen = []
+    for m in models:
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            norm = m.clip_grad_norm_(1.0)
+        seen.append((norm, [str(x.message) for x in w if "clip_grad_norm_" in str(x.message)]))
+    assert torch.equal(seen[0][0], seen[1][0]) and seen[0][1] == seen[1][1] and len(seen[0][1]) == 1, seen
+    # A strict load missing a key names it as the plain model does, in torch's words.
+    src = build("mlp", seed=5).state_dict()
+    errors = []
+    for m in models:
+        missing = {k: v for k, v in src.items() if k != "blocks.0.l1.weight"}
+        wrong = {**src, "out.bias": torch.zeros(4)}
+        for sd in (missing, wrong):
+            with pytest.raises(RuntimeError) as e:
+                m.load_state_dict(sd)
+            errors.append(str(e.value))
+    assert errors[0] == errors[2] and '"blocks.0.l1.weight"' in errors[0], errors
+    assert "out.bias" in errors[3]  # wrong shape: RuntimeError in both, raised before anything is loaded
+    return True
+
+
+def test_load_errors_roots_and_clip_warning_as_torch(ranks):
+    assert all(ranks.run(2, _errors_and_roots))

@@ -324,7 +324,11 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
         units = [m for m in module.modules() if _is_unit(m)]
-        return [u for u in units if u._is_root] if root_only else units
+        if not root_only:
+            return units
+        for u in units:  # as torch: the roots are known once lazily initialized
+            u._lazy_init()
+        return [u for u in units if u._is_root]
 
     def apply(self, fn):
         """``nn.Module.apply`` with this unit's full parameters in place and

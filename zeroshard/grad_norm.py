@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -64,5 +65,8 @@ def clip_grad_norm_(root, max_norm: float, norm_type: float = 2.0) -> torch.Tens
     for g in grads:
         g.mul_(coef.to(g.device, g.dtype))
     if not grads:
+        # torch's warning, word for word: with no local gradient the dtype is fp32 whatever the others'.
+        warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- returning the total "
+                      f"norm in the default dtype {total.dtype}", stacklevel=4)
         return total
     return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))

@@ -214,7 +214,7 @@ def _normalize_full(state_dict, current: dict) -> dict:
                       f"{len(stripped)} key(s), e.g. '{stripped[0]}'; this model's keys are the plain model's.", stacklevel=4)
     for k, v in out.items():
         if k in current and torch.is_tensor(v) and tuple(v.shape) != tuple(current[k].shape):
-            raise ValueError(f"zeroshard: load_state_dict: '{k}' has shape {tuple(v.shape)} in the state dict but "
+            raise RuntimeError(f"zeroshard: load_state_dict: '{k}' has shape {tuple(v.shape)} in the state dict but "
                              f"{tuple(current[k].shape)} in the model. Fix: load a state dict saved from the same model "
                              "configuration.")
     return out
@@ -232,8 +232,13 @@ def load(root, state_dict, strict: bool = True):
                 current = nn.Module.state_dict(root, keep_vars=True)
             actual = {clean_key(k): k for k in current}
             state_dict = _normalize_full(state_dict, {clean_key(k): v for k, v in current.items()})
-            result = nn.Module.load_state_dict(root, {actual.get(k, k): v for k, v in state_dict.items()}, strict=strict)
-        return type(result)([clean_key(k) for k in result.missing_keys], [clean_key(k) for k in result.unexpected_keys])
+            result = nn.Module.load_state_dict(root, {actual.get(k, k): v for k, v in state_dict.items()}, strict=False)
+        missing, unexpected = [clean_key(k) for k in result.missing_keys], [clean_key(k) for k in result.unexpected_keys]
+        if strict and (missing or unexpected):  # nn.Module's error, with the plain model's names as torch FSDP1 gives
+            errors = [f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + ". "
+                      for what, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}:\n\t" + "\n\t".join(errors))
+        return type(result)(missing, unexpected)
     if kind == StateDictType.LOCAL_STATE_DICT:
         flat_keys = _unit_flat_keys(root, "")
         for key, h in flat_keys.items():
