@@ -90,3 +90,32 @@ def _errors_and_roots(rank, world_size):
 
 def test_load_errors_roots_and_clip_warning_as_torch(ranks):
     assert all(ranks.run(2, _errors_and_roots))
+
+
+def _state_dict_inside_summon(rank, world_size, use_orig_params):
+    import torch.distributed.fsdp as tfsdp
+
+    import zeroshard as zs
+
+    models = _engines(use_orig_params=use_orig_params)
+    for m in models:  # a trained step first, so the shards differ from the initial values
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+        m(batch("mlp", rank, 0)).float().pow(2).mean().backward()
+        opt.step()
+    dicts = []
+    for lib, m in zip((tfsdp, zs), models):
+        outside = _full(m)
+        block = dict(m.named_modules())["_fsdp_wrapped_module.blocks.1"]
+        for scope in (m, block):  # the whole model summoned, or only one unit of it
+            with lib.FullyShardedDataParallel.summon_full_params(scope):
+                inside = _full(m)
+            assert list(inside) == list(outside) and all(torch.equal(inside[k], outside[k]) for k in outside)
+        dicts.append(outside)
+        m(batch("mlp", rank, 1)).sum().backward()  # still trains
+    assert list(dicts[0]) == list(dicts[1]) and all(torch.equal(dicts[0][k], dicts[1][k]) for k in dicts[0])
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_state_dict_inside_summon_full_params(ranks, use_orig_params):
+    assert all(ranks.run(2, _state_dict_inside_summon, use_orig_params))

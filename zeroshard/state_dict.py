@@ -68,7 +68,11 @@ def units_of(module: nn.Module, recurse: bool = True):
 
 
 @contextlib.contextmanager
-def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False):
+def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False,
+                       inside_summon=False):
+    """torch FSDP1's summon_full_params. ``inside_summon`` (state dicts): units
+    already summoned by an enclosing block are used as they are, as torch's
+    state-dict hooks do, instead of refused."""
     if rank0_only and writeback:
         raise ValueError("zeroshard: summon_full_params(rank0_only=True, writeback=True) is not supported (torch FSDP forbids it too): "
                          "other ranks would write back parameters they never saw. Fix: pass writeback=False.")
@@ -78,10 +82,10 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
     if offload_to_cpu and any(u.compute_device.type != "cpu" for u in units):
         raise ValueError("zeroshard: summon_full_params(offload_to_cpu=True) on a GPU module is not supported yet. Fix: leave offload_to_cpu=False.")
     busy = next((u for u in units if u._summoning), None)
-    if busy is not None:  # torch refuses too; gathering twice would free the outer block's buffer
-        raise RuntimeError(f"zeroshard: summon_full_params (or apply / a state dict) entered again inside "
-                           f"summon_full_params of unit {type(busy.module).__name__}. Fix: do the work inside the open block.")
-    handles = [u._handle for u in units if u._handle is not None]
+    if busy is not None and not inside_summon:  # torch refuses too; gathering twice would free the outer block's buffer
+        raise RuntimeError(f"zeroshard: summon_full_params (or apply) entered again inside summon_full_params of unit "
+                           f"{type(busy.module).__name__}. Fix: do the work inside the open block.")
+    handles = [u._handle for u in units if u._handle is not None and not u._summoning]
     for h in handles:
         if h.state != HandleState.IDLE:
             raise RuntimeError(f"zeroshard: summon_full_params called while unit '{h.unit_name}' is in {h.state.name.lower()}; "
@@ -162,7 +166,7 @@ def _buffer_value(v, keep_vars: bool, upcast: bool):
 
 def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = False):
     """(FULL state dict, its parameter keys); ({}, set()) off rank 0 with rank0_only."""
-    with summon_full_params(root, writeback=False, rank0_only=rank0_only):
+    with summon_full_params(root, writeback=False, rank0_only=rank0_only, inside_summon=True):
         if rank0_only and root.rank != 0:
             return {}, set()
         with plain_module_behaviour():
