@@ -61,12 +61,9 @@ class FlatParamHandle(OrigParams):
         params = [e[3] for e in entries]
         validation.check_uniform(entries, use_orig_params, unit_name)
         validation.watch_optimizers()
-        self.dtype = dtype = params[0].dtype
-        # Mixed precision: the shard (the optimizer's master copy) keeps its
-        # dtype; all-gather, forward and backward run in compute_dtype and the
-        # gradient is reduced in reduce_dtype (param_dtype if only it is given).
-        self.compute_dtype = param_dtype or dtype
-        self.reduce_dtype = reduce_dtype or param_dtype or dtype
+        self._mp_dtypes = (param_dtype, reduce_dtype)
+        self._set_dtype(params[0].dtype)
+        dtype = self.dtype
         # keep_low_precision_grads: .grad is handed to the optimizer in the
         # compute dtype (accumulation across steps still happens in full precision).
         self.keep_low_precision_grads = keep_low_precision_grads
@@ -89,14 +86,7 @@ class FlatParamHandle(OrigParams):
         requires_grad = any(p.requires_grad for p in params)
         self.flat_param = FlatParameter(self.local_shard, requires_grad=requires_grad)
         self.flat_param._fqns = self.layout.fqns  # noqa: SLF001 (for readers/debuggers)
-        # The full buffers (compute dtype, and the shard's dtype for
-        # summon_full_params under mixed precision), created with no storage.
-        self._full_buffers: dict[torch.dtype, torch.Tensor] = {}
-        self.padded = self._full_buffer(self.compute_dtype) if self.sharded else None
-        self.padded_bytes = self.layout.padded_numel * self.compute_dtype.itemsize
-        # NO_SHARD in the shard's dtype computes on the shard itself: nothing to gather.
-        self.always_full = not self.sharded and self.compute_dtype == dtype and self.local_shard.device == self.device
-        self._full: torch.Tensor | None = self.local_shard if self.always_full else None
+        self._new_full_buffers()
         self.orig_params: list[nn.Parameter] = params if use_orig_params else []
         self.grad_none = set()
         for p in params:
@@ -105,7 +95,6 @@ class FlatParamHandle(OrigParams):
         self.is_root = False
         self.state = HandleState.IDLE
         self._gather_work = None
-        self.unsharded = self.always_full
         self.prefetched = False
         self.needs_pre_forward_unshard = False
         self.needs_pre_backward_unshard = False
@@ -137,6 +126,49 @@ class FlatParamHandle(OrigParams):
                 self.use_unsharded_views()
             else:
                 self._placeholder_views()
+
+    def _set_dtype(self, dtype: torch.dtype):
+        # Mixed precision: the shard (the optimizer's master copy) keeps its
+        # dtype; all-gather, forward and backward run in compute_dtype and the
+        # gradient is reduced in reduce_dtype (param_dtype if only it is given).
+        param_dtype, reduce_dtype = self._mp_dtypes
+        self.dtype = dtype
+        self.compute_dtype = param_dtype or dtype
+        self.reduce_dtype = reduce_dtype or param_dtype or dtype
+
+    def _new_full_buffers(self):
+        # The full buffers (compute dtype, and the shard's dtype for
+        # summon_full_params under mixed precision), created with no storage.
+        self._full_buffers: dict[torch.dtype, torch.Tensor] = {}
+        self.padded = self._full_buffer(self.compute_dtype) if self.sharded else None
+        self.padded_bytes = self.layout.padded_numel * self.compute_dtype.itemsize
+        # NO_SHARD in the shard's dtype computes on the shard itself: nothing to gather.
+        self.always_full = not self.sharded and self.compute_dtype == self.dtype and self.local_shard.device == self.device
+        self._full: torch.Tensor | None = self.local_shard if self.always_full else None
+        self.unsharded = self.always_full
+
+    def follow_cast(self):
+        """``module.to(dtype)`` (or ``.double()``, ...) after wrapping cast the
+        FlatParameter, or with ``use_orig_params`` the original parameters, but
+        not the shard: adopt the new dtype for the shard and the buffers, as
+        torch FSDP1 does before its first forward. Called before every unshard."""
+        now = (self.orig_params[0] if self.use_orig_params else self.flat_param).dtype
+        if now == self.dtype:
+            return
+        if self.unsharded and not self.always_full or self.flat_param.grad is not None:
+            raise RuntimeError(f"zeroshard: unit '{self.unit_name}' was cast from {self.dtype} to {now} while it holds "
+                               "gathered parameters or gradients. Fix: cast the module before wrapping or between steps "
+                               "after optimizer.zero_grad(set_to_none=True) (or use MixedPrecision).")
+        shard = self.local_shard.to(now) if self.use_orig_params else self.flat_param.data
+        self.local_shard = self.flat_param.data = shard
+        self._set_dtype(now)
+        self._new_full_buffers()
+        if self.use_orig_params:
+            self.use_sharded_views()
+        elif self.always_full:
+            self.use_unsharded_views()
+        else:
+            self._placeholder_views()
 
     def _placeholder_views(self):
         """Until the first unshard, the module attributes are views of the freed
@@ -174,6 +206,7 @@ class FlatParamHandle(OrigParams):
 
         ``full_precision`` gathers in the shard's dtype even under mixed precision.
         """
+        self.follow_cast()
         self.writeback_orig_params()
         if self.unsharded:
             return
@@ -260,6 +293,7 @@ class FlatParamHandle(OrigParams):
         """Gather the full parameters and register them under their original
         names as ``nn.Parameter``s (for summon_full_params / state dicts).
         Returns what :meth:`exit_full_params` needs to undo it."""
+        self.follow_cast()
         self.writeback_orig_params()
         if self.unsharded and self._full.dtype != self.dtype:
             self.reshard(free=True)  # gathered in low precision for compute
