@@ -194,8 +194,9 @@ def _state_of(model, opt):
 
 
 def _local_state(model):
-    with zs.FSDP.state_dict_type(model, zs.StateDictType.LOCAL_STATE_DICT):
-        return {"model": model.state_dict()}  # per-rank flat shards
+    # Per-rank flat shards as plain tensors (hfai's per-rank files, zeroshard's earlier LOCAL
+    # format): LOCAL_STATE_DICT now gives ShardedTensors, which DCP saves like any sharded value.
+    return {"model": {"_fsdp_wrapped_module._flat_param": model._handle.local_shard.detach().clone()}}
 
 
 def _save_for_errors(rank, world_size, path):

@@ -1,6 +1,7 @@
-"""State dicts taken where training is not idle, and the small API edges
-around them, where zeroshard once differed from torch FSDP1 (found by a
-side-by-side review); each compared with torch FSDP1 on 2 gloo ranks."""
+"""State dicts where zeroshard once differed from torch FSDP1 (found by a
+side-by-side review): taken where training is not idle, LOCAL_STATE_DICT's
+format, and the small API edges around them; each compared with torch FSDP1
+on 2 gloo ranks."""
 from __future__ import annotations
 
 import copy
@@ -153,3 +154,61 @@ def _cast_after_wrapping(rank, world_size, strategy, use_orig_params):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_cast_after_wrapping_as_torch(ranks, strategy, use_orig_params):
     assert all(ranks.run(2, _cast_after_wrapping, strategy, use_orig_params))
+
+
+def _local_value(v):
+    if type(v).__name__ == "ShardedTensor":
+        shards = v.local_shards()
+        return ("ShardedTensor", tuple(v.size()), [tuple(s.metadata.shard_offsets) for s in shards],
+                shards[0].tensor if shards else torch.empty(0))
+    return (type(v).__name__, tuple(v.shape), [], v)
+
+
+def _local_like_torch(rank, world_size, strategy, use_orig_params):
+    import torch.distributed.fsdp as tfsdp
+
+    import zeroshard as zs
+
+    models = _engines(strategy=strategy, use_orig_params=use_orig_params)
+    for m in models:
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        m(batch("mlp", rank, 0)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    dicts = []
+    for lib, m in zip((tfsdp, zs), models):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with lib.FullyShardedDataParallel.state_dict_type(m, lib.StateDictType.LOCAL_STATE_DICT):
+                dicts.append(m.state_dict())
+    ref, ours = dicts
+    assert list(ref) == list(ours), (list(ref), list(ours))
+    for k in ref:
+        (kind_t, size_t, offs_t, t), (kind_z, size_z, offs_z, z) = _local_value(ref[k]), _local_value(ours[k])
+        assert (kind_t, size_t, offs_t, t.shape, t.dtype) == (kind_z, size_z, offs_z, z.shape, z.dtype), k
+        # use_orig_params pads between parameters: torch fills that padding with 42.0, zeroshard with 0.
+        differ = t != z
+        assert bool(((t[differ] == 42.0) & (z[differ] == 0)).all()), k
+    # Each engine's LOCAL dict loads into the other (torch cannot load its own when sharded with
+    # use_orig_params: it rejects the _flat_param keys it wrote; zeroshard takes them).
+    pairs = [(ref, models[1], zs)] + ([(ours, models[0], tfsdp)] if not use_orig_params or strategy == "NO_SHARD" else [])
+    fresh = _engines(strategy=strategy, use_orig_params=use_orig_params)
+    for src, dst, lib in pairs + [(ours, fresh[1], zs)]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with lib.FullyShardedDataParallel.state_dict_type(dst, lib.StateDictType.LOCAL_STATE_DICT):
+                result = dst.load_state_dict(src)
+        assert not result.missing_keys and not result.unexpected_keys, result
+    outs = [m(batch("mlp", rank, 1)) for m in (*models, fresh[1])]
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_local_state_dict_in_torch_format(ranks, strategy, use_orig_params):
+    """LOCAL_STATE_DICT as torch FSDP1 writes it: the plain model's keys in its
+    order, each flat shard a ShardedTensor of the unpadded flat parameter (this
+    rank's chunk at its offset), the original parameters' shards beside them
+    with use_orig_params, full parameters for NO_SHARD; both load either way."""
+    assert all(ranks.run(2, _local_like_torch, strategy, use_orig_params))

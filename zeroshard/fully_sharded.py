@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm_hooks, groups, hooks, materialize, optim_legacy, optim_load, optim_state, validation
+from . import comm_hooks, groups, hooks, local_state, materialize, optim_legacy, optim_load, optim_state, validation
 from . import state_dict as sd
 from .bucket import unit_strategy
 from .flat_param import collect_params, kept_out
@@ -252,7 +252,8 @@ class FullyShardedDataParallel(nn.Module):
         if sd.passthrough_active():
             return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         self._lazy_init()
-        out = sd.save(self, prefix=prefix, keep_vars=keep_vars)
+        local = self._state_dict_type == StateDictType.LOCAL_STATE_DICT
+        out = (local_state if local else sd).save(self, prefix=prefix, keep_vars=keep_vars)
         if destination is not None:
             destination.update(out)
             return destination
@@ -262,7 +263,7 @@ class FullyShardedDataParallel(nn.Module):
         if assign:
             raise ValueError("zeroshard: load_state_dict(assign=True) would replace the sharded parameters. Fix: use assign=False.")
         self._lazy_init()
-        return sd.load(self, state_dict, strict)
+        return (local_state if self._state_dict_type == StateDictType.LOCAL_STATE_DICT else sd).load(self, state_dict, strict)
 
     @staticmethod
     def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False):

@@ -9,8 +9,7 @@
   model's and a non-FSDP model loads it with ``strict=True``;
   ``load_state_dict()`` copies a full state dict into the gathered parameters
   and writes it back into the shards.
-* LOCAL_STATE_DICT: each rank's flat shards as they are (``..._flat_param``
-  keys), for restarting at the same world size; loading checks the shard sizes.
+* LOCAL_STATE_DICT: each rank's flat shards, see ``local_state``.
 * SHARDED_STATE_DICT: the plain model's keys, each parameter a DTensor of
   this rank's rows (see ``sharded_state``: ``Shard(0)`` over the process
   group, replicated across replica groups under hybrid sharding). Saved with
@@ -118,14 +117,6 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
 
 
 # ------------------------------------------------------------------ state dicts
-def _unit_flat_keys(root, prefix: str) -> dict[str, object]:
-    keys = {}
-    for name, m in root.named_modules():
-        if hasattr(m, "_fsdp_wrapped_module") and getattr(m, "_handle", None) is not None:
-            keys[f"{prefix}{name + '.' if name else ''}{WRAPPED_PREFIX}{FLAT_PARAM}"] = m._handle
-    return keys
-
-
 def _full_param_copies(root) -> dict[int, torch.Tensor]:
     """id(registered full parameter) -> an independent copy, one batched
     unflatten per unit (the C++ extension when built) instead of a clone each."""
@@ -188,15 +179,7 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
         full, param_keys = _full_state_dict(root, prefix, keep_vars)
         # Buffers stay plain tensors: DCP saves them once, as replicated.
         return {k: to_row_shard(v, mesh) if k in param_keys else v for k, v in full.items()}
-    if kind == StateDictType.LOCAL_STATE_DICT:
-        with plain_module_behaviour():
-            raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
-        owned = {id(p) for u in units_of(root) if u._handle is not None for p in u._handle.orig_params}
-        out = {k: v if keep_vars else v.detach() for k, v in raw.items() if id(v) not in owned}
-        for key, h in _unit_flat_keys(root, prefix).items():
-            out[key] = h.flat_param if keep_vars else h.flat_param.detach()
-        return out
-    raise ValueError(f"zeroshard: state_dict type {kind.name} is not supported. Fix: use FULL, LOCAL or SHARDED_STATE_DICT.")
+    raise ValueError(f"zeroshard: state_dict type {kind.name} is not supported. Fix: use FULL or SHARDED_STATE_DICT here (LOCAL: local_state).")
 
 
 def _normalize_full(state_dict, current: dict) -> dict:
@@ -243,36 +226,7 @@ def load(root, state_dict, strict: bool = True):
                       for what, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
             raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}:\n\t" + "\n\t".join(errors))
         return type(result)(missing, unexpected)
-    if kind == StateDictType.LOCAL_STATE_DICT:
-        flat_keys = _unit_flat_keys(root, "")
-        for key, h in flat_keys.items():
-            if key not in state_dict:
-                if strict:
-                    raise RuntimeError(f"zeroshard: LOCAL state dict has no '{key}' (unit '{h.unit_name}').")
-                continue
-            value = state_dict[key]
-            if tuple(value.shape) != tuple(h.local_shard.shape):
-                raise ValueError(
-                    f"zeroshard: LOCAL state dict entry '{key}' has shape {tuple(value.shape)} but this rank's shard of unit "
-                    f"'{h.unit_name}' has {tuple(h.local_shard.shape)} (saved at another world size or from another model? "
-                    f"this run has world size {h.world_size}). Fix: load LOCAL state dicts at the world size they were saved "
-                    "with, or save a FULL_STATE_DICT to change world size."
-                )
-            with torch.no_grad():
-                h.local_shard.copy_(value)
-            if h.sharded:
-                h.reshard(free=True)  # a gathered copy kept since the last forward is stale now
-        rest = {k: v for k, v in state_dict.items() if k not in flat_keys}
-        result = nn.Module.load_state_dict(root, rest, strict=False)
-        owned = {id(p) for u in units_of(root) if u._handle is not None for p in u._handle.orig_params}
-        with plain_module_behaviour():
-            expected = {k for k, v in nn.Module.state_dict(root, keep_vars=True).items() if id(v) not in owned and not k.endswith(FLAT_PARAM)}
-        missing = sorted(expected - set(rest))
-        unexpected = [k for k in result.unexpected_keys]
-        if strict and (missing or unexpected):
-            raise RuntimeError(f"zeroshard: LOCAL state dict mismatch: missing {missing}, unexpected {unexpected}.")
-        return type(result)(missing, unexpected)
-    raise ValueError(f"zeroshard: load_state_dict for {kind.name} is not supported. Fix: use FULL, LOCAL or SHARDED_STATE_DICT.")
+    raise ValueError(f"zeroshard: load_state_dict for {kind.name} is not supported. Fix: use FULL or SHARDED_STATE_DICT here (LOCAL: local_state).")
 
 
 @contextlib.contextmanager

@@ -33,6 +33,7 @@ LAYOUT_KEY = "_zeroshard_layout"
 
 
 class FullyShardedDataParallel(_Engine):
+    _local_sharded_tensors = False  # per-rank shards are plain tensors: torch.save/torch.load them as they are
     def __init__(self, module: nn.Module, process_group=None, auto_wrap_policy=None, reshard_after_forward: bool = True,
                  backward_prefetch: BackwardPrefetch | None = None, forward_prefetch: bool = False,
                  fsdp_group_size: int | None = None):

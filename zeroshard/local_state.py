@@ -1,0 +1,165 @@
+"""LOCAL_STATE_DICT: each rank saves and loads only its own flat shards, in torch FSDP1's format.
+
+The cheapest checkpoint of ZeRO-3: no gathering at all. Each sharded unit's
+FlatParameter is saved as a ``ShardedTensor`` whose global size is the
+unpadded flat parameter and whose one local shard is this rank's chunk
+``[rank * shard_numel, ...)`` without the world-size padding, under the plain
+model's names (``blocks.0._flat_param``), buffers beside it. With
+``use_orig_params`` the original parameters' 1-D shard views are saved as well
+and each unit's flat entry follows its subtree, as torch orders them. NO_SHARD
+units have nothing to shard: they give their full parameters, as under
+FULL_STATE_DICT (torch falls back the same way, with the same warning).
+
+A LOCAL dict reloads only at the world size it was saved with (the shard
+boundaries depend on it); loading checks the global size and this rank's
+offset. Dicts saved by torch FSDP1 load here and the other way round; plain
+padded shards under the wrapped names (zeroshard's earlier LOCAL format) load too.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+import torch.nn as nn
+
+from .state_dict import FLAT_PARAM, WRAPPED_PREFIX, clean_key, plain_module_behaviour, summon_full_params
+
+_NO_SHARD_WARNING = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
+
+
+def _layout(root, prefix: str):
+    """(raw key prefix, handle) of every sharded unit in pre-order, and the NO_SHARD units."""
+    sharded, full = [], []
+    for name, m in root.named_modules():
+        h = getattr(m, "_handle", None)
+        if not hasattr(m, "_fsdp_wrapped_module") or h is None:
+            continue
+        if h.sharded:
+            sharded.append((prefix + (name + "." if name else ""), h))
+        else:
+            full.append(m)
+    return sharded, full
+
+
+@contextlib.contextmanager
+def _full_no_shard_units(units, writeback: bool):
+    """NO_SHARD units show their full parameters under their own names meanwhile."""
+    with contextlib.ExitStack() as stack:
+        for u in units:
+            stack.enter_context(summon_full_params(u, recurse=False, writeback=writeback))
+        yield
+
+
+def _flat_value(h, offload: bool):
+    from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
+
+    n = h.local_shard.numel()
+    start = h.rank * n
+    valid = max(0, min(n, h.layout.numel - start))
+    shards = [Shard.from_tensor_and_offsets(h.local_shard.detach()[:valid], [start], h.rank)] if valid else []
+    st = init_from_local_shards(shards, h.layout.numel, process_group=h.group)  # collective: metadata
+    return st.cpu() if offload else st
+
+
+def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
+    """The LOCAL state dict. A root whose ``_local_sharded_tensors`` is False
+    (``compat.hfai``: per-rank files for torch.save) gets each flat entry as the
+    plain padded shard instead of a ShardedTensor."""
+    sharded, no_shard = _layout(root, prefix)
+    if no_shard:
+        warnings.warn(_NO_SHARD_WARNING, stacklevel=3)
+    offload = bool(getattr(root._state_dict_config, "offload_to_cpu", False))
+    as_sharded_tensor = getattr(root, "_local_sharded_tensors", True)
+
+    def flat_value(h):
+        if as_sharded_tensor:
+            return _flat_value(h, offload)
+        return h.local_shard.detach().cpu() if offload else h.local_shard.detach()
+
+    owned = {id(p) for _, h in sharded if h.use_orig_params for p in h.orig_params}
+    flat_keys = {p + WRAPPED_PREFIX + FLAT_PARAM: h for p, h in sharded}
+    with _full_no_shard_units(no_shard, writeback=False):
+        with plain_module_behaviour():
+            raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
+        full_params = {id(p) for u in no_shard for p in u.parameters()}
+        out, open_units, pending = {}, [], list(sharded)
+
+        def close(key=None):  # a unit's subtree ended: with use_orig_params its flat entry comes now
+            while open_units and (key is None or not key.startswith(open_units[-1][0])):
+                p, h = open_units.pop()
+                if h.use_orig_params:
+                    out[clean_key(p) + FLAT_PARAM] = flat_value(h)
+
+        for k, v in raw.items():
+            close(k)
+            for unit in [u for u in pending if k.startswith(u[0])]:  # pre-order: outer units first
+                pending.remove(unit)
+                open_units.append(unit)
+            if k in flat_keys:
+                value = flat_value(flat_keys[k])
+            elif id(v) in full_params:
+                value = v.detach().clone()
+            else:
+                value = v if keep_vars and id(v) not in owned else v.detach()
+                if offload:
+                    value = value.cpu()
+            out[clean_key(k)] = value
+        close()  # the units still open (the root's) end with the dict
+    return out
+
+
+def _load_flat(h, value, key: str):
+    """Copy a saved flat entry into this rank's shard (zeros in the padding)."""
+    n = h.local_shard.numel()
+    start = h.rank * n
+    valid = max(0, min(n, h.layout.numel - start))
+    hint = (f"(saved at another world size or from another model? this run has world size {h.world_size}). Fix: load "
+            "LOCAL state dicts at the world size they were saved with, or save a FULL_STATE_DICT to change world size.")
+    if type(value).__name__ == "ShardedTensor":
+        size, shards = tuple(value.metadata().size), value.local_shards()
+        offset = shards[0].metadata.shard_offsets[0] if shards else start
+        local = shards[0].tensor if shards else h.local_shard.new_empty(0)
+        if size != (h.layout.numel,) or offset != start or local.numel() != valid:
+            raise ValueError(f"zeroshard: LOCAL state dict entry '{key}' holds elements [{offset}, {offset + local.numel()}) "
+                             f"of {size[0]} but this rank's shard of unit '{h.unit_name}' is [{start}, {start + valid}) "
+                             f"of {h.layout.numel} {hint}")
+    elif torch.is_tensor(value) and tuple(value.shape) == (n,):  # zeroshard's earlier format: the padded shard
+        local = value[:valid]
+    else:
+        shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise ValueError(f"zeroshard: LOCAL state dict entry '{key}' is {shape} but this rank's shard of unit "
+                         f"'{h.unit_name}' has {valid} elements {hint}")
+    with torch.no_grad():
+        h.local_shard[:valid].copy_(local)
+        h.local_shard[valid:].zero_()
+    h.reshard(free=True)  # a gathered copy kept since the last forward is stale now
+
+
+def load(root, state_dict, strict: bool = True):
+    sharded, no_shard = _layout(root, "")
+    flat_keys = {clean_key(p) + FLAT_PARAM: (p + WRAPPED_PREFIX + FLAT_PARAM, h) for p, h in sharded}
+    with _full_no_shard_units(no_shard, writeback=True):
+        with plain_module_behaviour():
+            current = [k for k in nn.Module.state_dict(root, keep_vars=True)]
+        raw_of = {clean_key(k): k for k in current}
+        flats, rest, unexpected = [], {}, []
+        for k, v in state_dict.items():
+            key = clean_key(k)  # also zeroshard's earlier keys, under the wrapped names
+            if key in flat_keys:
+                flats.append((key, v))
+            elif key in raw_of:
+                rest[raw_of[key]] = v
+            else:
+                unexpected.append(k)
+        result = nn.Module.load_state_dict(root, rest, strict=False)
+        for key, v in flats:  # after the original parameters' views: the flat shard has the last word
+            _load_flat(flat_keys[key][1], v, key)
+    raw_flat = {raw for raw, _ in flat_keys.values()}
+    given = {key for key, _ in flats}
+    missing = [clean_key(k) for k in result.missing_keys if k not in raw_flat]
+    missing += [key for key in flat_keys if key not in given]
+    if strict and (missing or unexpected):
+        raise RuntimeError(f"zeroshard: LOCAL state dict mismatch: missing {missing}, unexpected {unexpected}. Fix: load "
+                           "the LOCAL state dict this model saved at this world size (or pass strict=False).")
+    return type(result)(missing, unexpected)
