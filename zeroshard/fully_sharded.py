@@ -200,16 +200,16 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._lazy_init()
-        self._hook_post_backward()
         mp = self.mixed_precision
         if self._is_root:
-            hooks.root_pre_forward(self)
+            hooks.root_pre_forward(self)  # before the hook below: it settles which FlatParameters require grad
             if self.compute_device.type != "cpu":
                 args, kwargs = to_device((args, kwargs), self.compute_device)
             if mp.param_dtype is not None and mp.cast_root_forward_inputs:
                 args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         if mp.param_dtype is not None and mp.cast_forward_inputs:
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
+        self._hook_post_backward()
         hooks.pre_forward(self)
         output = self._fsdp_wrapped_module(*args, **kwargs)
         return hooks.post_forward(self, output)

@@ -25,12 +25,13 @@ Either way a unit is gathered once for backward and reduced once.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import torch
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
-from torch.utils._pytree import tree_flatten
+from torch.nn.utils.rnn import PackedSequence
 
 from . import reduce, trace
 from .bucket import Bucketer
@@ -169,6 +170,26 @@ def post_forward(state, output):
     return output
 
 
+def _tensors_in(obj) -> list[torch.Tensor]:
+    """Every tensor in a forward output, looking where torch FSDP1 looks:
+    dataclass fields, dict values (subclasses too), list / tuple / set items
+    (namedtuples too) and a PackedSequence's data. Missing one would leave its
+    unit without a pre-backward, so its gradients would silently not reduce."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, PackedSequence):
+        items = [obj.data]
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        items = list(obj)
+    else:
+        return []
+    return [t for item in items for t in _tensors_in(item)]
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -176,7 +197,7 @@ def _in_backward() -> bool:
 def _register_pre_backward(state, output):
     if not torch.is_grad_enabled():
         return
-    tensors = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+    tensors = [t for t in _tensors_in(output) if t.requires_grad]
     handle = state._handle
     if handle is not None:
         handle.ran_pre_backward = False
@@ -191,9 +212,13 @@ def pre_backward(state):
     if handle is not None and handle.ran_pre_backward:
         return
     rt = state._runtime
-    if state._is_root and not rt.callback_queued:
+    # Usually the root's outputs start backward; a loss built only from an inner
+    # unit's output (the root's unused) must still end with the root's callback
+    # (torch FSDP1 raises there; without it the gradients would silently stay unreduced).
+    if not rt.callback_queued:
         rt.callback_queued = True
-        Variable._execution_engine.queue_callback(lambda: post_backward_final(state))
+        root = rt.states[0]
+        Variable._execution_engine.queue_callback(lambda: post_backward_final(root))
         for h in rt.handles:
             h.reset_grad_if_orig_grads_none()
     if handle is None:

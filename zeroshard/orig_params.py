@@ -100,9 +100,14 @@ class OrigParams:
 
     def reset_grad_if_orig_grads_none(self):
         """``optimizer.zero_grad(set_to_none=True)`` clears the original
-        parameters' grads; drop the flat gradient they were views of."""
-        if self.use_orig_params and all(p.grad is None for p in self.orig_params):
+        parameters' grads; drop the flat gradient they were views of. The
+        FlatParameter requires grad while any original parameter does, so a
+        unit frozen at wrap time and unfrozen later trains (torch's rule too)."""
+        if not self.use_orig_params:
+            return
+        if all(p.grad is None for p in self.orig_params):
             self.flat_param.grad = None
+        self.flat_param.requires_grad_(any(p.requires_grad for p in self.orig_params))
 
     def gradients_computed(self):
         """A synchronized backward gave every parameter that requires grad a gradient."""
