@@ -97,3 +97,56 @@ def _bad_shape(rank, world_size):
 
 def test_replaced_parameter_of_another_shape_is_refused(ranks):
     assert all(ranks.run(2, _bad_shape))
+
+
+def _no_sync_with_a_frozen_parameter(rank, world_size, strategy):
+    import torch.distributed.fsdp as tfsdp
+
+    import zeroshard as zs
+
+    grads = []
+    for lib, extra in ((tfsdp, {"device_id": torch.device("cpu")}), (zs, {})):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        net[1].weight.requires_grad_(False)  # a partly frozen unit
+        model = lib.FullyShardedDataParallel(net, use_orig_params=True, **extra,
+                                             sharding_strategy=getattr(lib.ShardingStrategy, strategy))
+        torch.manual_seed(10 + rank)
+        xs = [torch.randn(4, 8) for _ in range(2)]
+        with model.no_sync():  # accumulates the unsharded gradient; the frozen weight's view is zeros
+            model(xs[0]).pow(2).sum().backward()
+        model(xs[1]).pow(2).sum().backward()
+        grads.append(_grads(model))
+    _same(*grads, f"no_sync {strategy}")
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_no_sync_accumulation_with_a_frozen_parameter(ranks, strategy):
+    assert all(ranks.run(2, _no_sync_with_a_frozen_parameter, strategy))
+
+
+def _replace_tied(rank, world_size):
+    import torch.distributed.fsdp as tfsdp
+
+    import zeroshard as zs
+
+    raised = []
+    for lib, extra in ((tfsdp, {"device_id": torch.device("cpu")}), (zs, {})):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
+        net[1].weight = net[0].weight  # tied
+        model = lib.FullyShardedDataParallel(net, use_orig_params=True, **extra)
+        model(torch.randn(2, 4))
+        inner = model.module
+        inner[1].weight = nn.Parameter(torch.zeros_like(inner[1].weight))  # replaces one name of the pair
+        try:
+            model(torch.randn(2, 4))
+        except (NotImplementedError, RuntimeError) as e:  # torch: NotImplementedError
+            raised.append(str(e))
+    assert len(raised) == 2 and "tied" in raised[1] and "Fix:" in raised[1], raised
+    return True
+
+
+def test_replacing_a_tied_parameter_is_refused(ranks):
+    assert all(ranks.run(2, _replace_tied))

@@ -152,3 +152,43 @@ def _loss_from_inner_unit(rank, world_size, strategy):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_loss_from_an_inner_unit_only(ranks, strategy):
     assert all(ranks.run(2, _loss_from_inner_unit, strategy))
+
+
+class Penalty(nn.Module):
+    """A gradient penalty computed inside the root's forward (torch.autograd.grad through an inner unit)."""
+
+    def __init__(self):
+        super().__init__()
+        self.u, self.lin = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = x.requires_grad_(True)
+        h = self.u(x)
+        (g,) = torch.autograd.grad(h.pow(2).sum(), x, create_graph=False, retain_graph=True)
+        return self.lin(h) + g
+
+
+def _grad_inside_forward(rank, world_size):
+    models = []
+    for engine in ("torch", "zeroshard"):
+        lib, extra = (tfsdp, {"device_id": torch.device("cpu")}) if engine == "torch" else (zs, {})
+        torch.manual_seed(0)
+        net = Penalty()
+        net.u = lib.FullyShardedDataParallel(net.u, **extra)
+        models.append(lib.FullyShardedDataParallel(net, **extra))
+    x = lambda rank, step: torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + rank))  # noqa: E731
+    seen = [[] for _ in models]
+    for m, trace in zip(models, seen):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        for step in range(2):
+            m(x(rank, step)).pow(2).mean().backward()
+            trace.append([p.grad.clone() for p in m.parameters()])
+            opt.step()
+            opt.zero_grad()
+    assert all(torch.equal(a, b) for ga, gb in zip(*seen) for a, b in zip(ga, gb))
+    return True
+
+
+def test_autograd_grad_inside_the_root_forward(ranks):
+    """An inner unit's pre-backward during a nested autograd.grad must not end the step."""
+    assert all(ranks.run(2, _grad_inside_forward))

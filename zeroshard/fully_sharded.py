@@ -211,7 +211,13 @@ class FullyShardedDataParallel(nn.Module):
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         self._hook_post_backward()
         hooks.pre_forward(self)
-        output = self._fsdp_wrapped_module(*args, **kwargs)
+        if not self._is_root:
+            return hooks.post_forward(self, self._fsdp_wrapped_module(*args, **kwargs))
+        self._runtime.in_forward = True
+        try:
+            output = self._fsdp_wrapped_module(*args, **kwargs)
+        finally:
+            self._runtime.in_forward = False
         return hooks.post_forward(self, output)
 
     @contextlib.contextmanager

@@ -53,6 +53,7 @@ class RootRuntime:
         self.first_iter = True
         self.pending: list[reduce.PendingReduction] = []
         self.callback_queued = False
+        self.in_forward = False  # the root's forward is running (a nested autograd.grad may run inside it)
         cap = states[0].bucket_cap_mb  # the root's setting holds for the whole model
         self.bucketer = Bucketer(cap) if cap is not None else None
 
@@ -215,7 +216,8 @@ def pre_backward(state):
     # Usually the root's outputs start backward; a loss built only from an inner
     # unit's output (the root's unused) must still end with the root's callback
     # (torch FSDP1 raises there; without it the gradients would silently stay unreduced).
-    if not rt.callback_queued:
+    # Not from an autograd.grad inside the root's forward: the callback would end the step there.
+    if not rt.callback_queued and (state._is_root or not rt.in_forward):
         rt.callback_queued = True
         root = rt.states[0]
         Variable._execution_engine.queue_callback(lambda: post_backward_final(root))

@@ -13,7 +13,9 @@ FULL_STATE_DICT (torch falls back the same way, with the same warning).
 A LOCAL dict reloads only at the world size it was saved with (the shard
 boundaries depend on it); loading checks the global size and this rank's
 offset. Dicts saved by torch FSDP1 load here and the other way round; plain
-padded shards under the wrapped names (zeroshard's earlier LOCAL format) load too.
+padded shards under the wrapped names (zeroshard's earlier LOCAL format, and
+``compat.hfai``'s per-rank files) load too (with ``use_orig_params`` that format
+lacks the original parameters' entries: load it with ``strict=False``).
 """
 from __future__ import annotations
 
@@ -82,7 +84,7 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     with _full_no_shard_units(no_shard, writeback=False):
         with plain_module_behaviour():
             raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
-        full_params = {id(p) for u in no_shard for p in u.parameters()}
+        full_params = {id(info.module._parameters[info.name]) for u in no_shard for info in u._handle.layout.params}
         out, open_units, pending = {}, [], list(sharded)
 
         def close(key=None):  # a unit's subtree ended: with use_orig_params its flat entry comes now

@@ -90,7 +90,7 @@ class OrigParams:
         accumulated gradient (their data is still the 1-D shard, hence ``.data``)."""
         g = self.flat_param.grad
         for p, info in zip(self.orig_params, self.layout.params):
-            if g is None or not p.requires_grad:
+            if g is None:  # frozen parameters get their (zero) view too, as in torch
                 p.grad = None
                 continue
             view = g[info.offset : info.offset + info.numel].view(info.shape)
@@ -158,6 +158,12 @@ class OrigParams:
                     flat_grad = self.flat_param.grad = torch.zeros_like(self.local_shard)
                 self._write_slice(p.grad, flat_grad, offset, numel, info, "gradient")
                 self.grad_none.discard(i)
+        for info in self.layout.shared:
+            if info.module._parameters.get(info.name) is not self.orig_params[info.prim_index]:
+                raise RuntimeError(f"zeroshard: '{info.fqn}' in unit '{self.unit_name}' shares its parameter with another "
+                                   "name (tied weights) and one of them was replaced; changing tied parameters is not "
+                                   "supported (nor by torch FSDP1). Fix: update the shared parameter in place "
+                                   "(p.data.copy_(...)), or untie them before wrapping.")
         self.orig_exposed = False
 
     def _write_slice(self, src: torch.Tensor, dst: torch.Tensor, offset: int, numel: int, info, what: str):
