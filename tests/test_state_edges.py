@@ -117,6 +117,26 @@ def _state_dict_inside_summon(rank, world_size, use_orig_params):
     return True
 
 
+def _state_dict_inside_rank0_only_summon(rank, world_size, use_orig_params):
+    import torch.distributed.fsdp as tfsdp
+
+    import zeroshard as zs
+
+    for lib, m in zip((tfsdp, zs), _engines(use_orig_params=use_orig_params)):
+        with lib.FullyShardedDataParallel.summon_full_params(m, rank0_only=True, writeback=False):
+            if rank == 0:
+                assert len(_full(m)) == 17
+            elif lib is zs:  # torch: an AssertionError; zeroshard: a RuntimeError saying what to do
+                with pytest.raises(RuntimeError, match="only rank 0 keeps them"):
+                    _full(m)
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_state_dict_inside_rank0_only_summon(ranks, use_orig_params):
+    assert all(ranks.run(2, _state_dict_inside_rank0_only_summon, use_orig_params))
+
+
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_state_dict_inside_summon_full_params(ranks, use_orig_params):
     assert all(ranks.run(2, _state_dict_inside_summon, use_orig_params))

@@ -126,7 +126,12 @@ def _full_param_copies(root) -> dict[int, torch.Tensor]:
         if h is None:
             continue
         infos = h.layout.params
-        params = [info.module._parameters[info.name] for info in infos]
+        params = [info.module._parameters.get(info.name) for info in infos]
+        if h.flat_param.numel() < h.layout.numel or any(p is None for p in params):
+            # Only inside summon_full_params(rank0_only=True) on another rank than 0 (torch asserts there).
+            raise RuntimeError(f"zeroshard: state_dict() inside summon_full_params(rank0_only=True) on rank {h.rank}: "
+                               f"unit '{h.unit_name}' holds no full parameters here (only rank 0 keeps them). Fix: take "
+                               "the state dict outside the block, or only on rank 0.")
         outs = ext.unflatten(h.flat_param.detach(), [i.offset for i in infos], [i.shape for i in infos])
         copies.update(zip(map(id, params), outs))
     return copies
