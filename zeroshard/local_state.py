@@ -56,9 +56,7 @@ def _full_no_shard_units(units, writeback: bool):
 def _flat_value(h, offload: bool):
     from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 
-    n = h.local_shard.numel()
-    start = h.rank * n
-    valid = max(0, min(n, h.layout.numel - start))
+    start, valid = h.layout.shard_start, h.layout.shard_end - h.layout.shard_start
     shards = [Shard.from_tensor_and_offsets(h.local_shard.detach()[:valid], [start], h.rank)] if valid else []
     st = init_from_local_shards(shards, h.layout.numel, process_group=h.group)  # collective: metadata
     return st.cpu() if offload else st
@@ -114,8 +112,7 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
 def _load_flat(h, value, key: str):
     """Copy a saved flat entry into this rank's shard (zeros in the padding)."""
     n = h.local_shard.numel()
-    start = h.rank * n
-    valid = max(0, min(n, h.layout.numel - start))
+    start, valid = h.layout.shard_start, h.layout.shard_end - h.layout.shard_start
     hint = (f"(saved at another world size or from another model? this run has world size {h.world_size}). Fix: load "
             "LOCAL state dicts at the world size they were saved with, or save a FULL_STATE_DICT to change world size.")
     if type(value).__name__ == "ShardedTensor":
