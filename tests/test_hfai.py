@@ -8,11 +8,10 @@ import os
 import subprocess
 import sys
 
-import pytest
 import torch
 
 import zeroshard as zs
-from models import MLP, Block, batch, build
+from models import MLP, batch, build
 from zeroshard.compat import hfai
 
 

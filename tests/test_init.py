@@ -13,7 +13,6 @@ from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolic
 
 import zeroshard as zs
 from models import MLP, Block, batch, build
-from parity import run_case
 
 
 def _meta_init_vs_torch(rank, world_size, use_param_init_fn):

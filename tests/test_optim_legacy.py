@@ -117,7 +117,7 @@ def _named_optimizer(rank, world_size, use_orig_params):
     load_t = _quiet(TF.optim_state_dict_to_load, ref, fresh[0]._optimizer, full_t, is_named_optimizer=True)
     load_z = zs.FSDP.optim_state_dict_to_load(ours, fresh[1]._optimizer, full_z, is_named_optimizer=True)
     assert all(isinstance(k, str) for k in load_z["state"]) and load_z["param_groups"][0]["params"]
-    _assert_osd_equal(load_t, load_z)
+    _assert_osd_equal(load_t, load_z, key_order=False)  # torch flattens state names from a set: its order varies per process
     # torch's named optimizer converts torch's dict itself; zeroshard's is given the converted one.
     _quiet(fresh[0].load_state_dict, full_t)
     fresh[1].load_state_dict(load_z)

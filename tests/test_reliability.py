@@ -7,7 +7,6 @@ import os
 import signal
 
 import pytest
-import torch
 import torch.nn as nn
 
 import zeroshard as zs

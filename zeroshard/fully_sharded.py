@@ -9,6 +9,7 @@ callback shared by all units below it (see ``hooks``).
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 import weakref
 
@@ -23,7 +24,7 @@ from .flat_param import collect_params, kept_out
 from .grad_norm import clip_grad_norm_
 from .handle import FlatParamHandle
 from .hpz import SecondaryShards
-from .mixed_precision import cast_buffers, cast_floats, to_device
+from .mixed_precision import cast_buffers, cast_floats, root_inputs
 from .options import (BackwardPrefetch, CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType,
                       as_member)
 from .wrap import wrap_submodules
@@ -93,6 +94,7 @@ class FullyShardedDataParallel(nn.Module):
         self.forward_prefetch = forward_prefetch
         self.limit_all_gathers = limit_all_gathers
         self.use_orig_params = use_orig_params
+        self._use_full_prec_in_eval = os.environ.get("FSDP_USE_FULL_PREC_IN_EVAL", "") == "1"  # read here, as torch
         self.mixed_precision = mixed_precision or MixedPrecision()
         self.cpu_offload = cpu_offload or CPUOffload()
         # Beyond torch FSDP (all off by default): see bucket, quantize and hpz.
@@ -118,6 +120,11 @@ class FullyShardedDataParallel(nn.Module):
             wrap_submodules(module, auto_wrap_policy, unit_kwargs, FullyShardedDataParallel, ignored, _is_unit, ignored_params)
         self._fsdp_wrapped_module = module
         self._ignored_modules = ignored
+        self._device_mesh = device_mesh  # auto-wrapped units get it too (below): LOCAL state dicts refuse it
+        if device_mesh is not None:
+            for m in module.modules():
+                if _is_unit(m) and m._device_mesh is None:
+                    m._device_mesh = device_mesh
 
         def outside_unit(m):
             return _is_unit(m) or m in ignored
@@ -144,6 +151,7 @@ class FullyShardedDataParallel(nn.Module):
             self._handle.hpz = SecondaryShards(hpz_group) if hpz_group is not None and self._handle.sharded else None
             flat = self._handle.flat_param
             self._handle.flat_param_host = module
+            self._handle.compute_module, self._handle.full_prec_in_eval = module, self._use_full_prec_in_eval
             if not use_orig_params:
                 module._parameters[FLAT_PARAM] = flat
         self._post_backward_hooked = False
@@ -173,6 +181,8 @@ class FullyShardedDataParallel(nn.Module):
                     "zeroshard: an inner FSDP unit already ran forward as a root; run forward through the "
                     "outermost FullyShardedDataParallel only."
                 )
+        validation.check_homogeneous(states)
+        for s in states[1:]:
             s._is_root = False
         self._is_root = True
         cast_buffers(states)
@@ -200,14 +210,14 @@ class FullyShardedDataParallel(nn.Module):
 
     def forward(self, *args, **kwargs):
         self._lazy_init()
-        mp = self.mixed_precision
+        mp, h = self.mixed_precision, self._handle
+        full_precision = h is not None and h.forced_full_precision  # FSDP_USE_FULL_PREC_IN_EVAL in eval mode
         if self._is_root:
             hooks.root_pre_forward(self)  # before the hook below: it settles which FlatParameters require grad
-            if self.compute_device.type != "cpu":
-                args, kwargs = to_device((args, kwargs), self.compute_device)
-            if mp.param_dtype is not None and mp.cast_root_forward_inputs:
+            args, kwargs = root_inputs((args, kwargs), self.compute_device)
+            if mp.cast_root_forward_inputs and not full_precision and (self.training or not self._use_full_prec_in_eval):
                 args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
-        if mp.param_dtype is not None and mp.cast_forward_inputs:
+        if mp.cast_forward_inputs and h is not None and not full_precision:  # torch: only units with a FlatParameter
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         self._hook_post_backward()
         hooks.pre_forward(self)

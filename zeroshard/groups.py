@@ -51,6 +51,9 @@ def block_groups(k: int):
 
 def resolve(process_group, device_mesh, strategy, fsdp_group_size):
     """(shard group, replicate group or None) for this unit."""
+    if process_group is not None and device_mesh is not None:
+        raise ValueError("zeroshard: FullyShardedDataParallel got both process_group and device_mesh. "
+                         "Fix: pass only one of them (the mesh's groups are the process groups).")
     if fsdp_group_size is not None:
         if strategy not in HYBRID and strategy is not None:
             raise ValueError("zeroshard: fsdp_group_size shards within groups, which needs sharding_strategy=HYBRID_SHARD "

@@ -19,11 +19,11 @@ from __future__ import annotations
 import enum
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm, trace, validation
 from .flat_param import FlatLayout, FlatParameter, build_layout, flatten_params, shard_of
+from .full_params import FullParams
 from .options import ShardingStrategy
 from .orig_params import OrigParams
 from .quantize import QuantizedGather
@@ -41,7 +41,7 @@ class HandleState(enum.Enum):
     BACKWARD_POST = enum.auto()
 
 
-class FlatParamHandle(OrigParams):
+class FlatParamHandle(OrigParams, FullParams):
     """Owns one unit's FlatParameter, its shard, and its padded unsharded buffer."""
 
     def __init__(self, entries, aliases, *, group, strategy: ShardingStrategy, use_orig_params: bool, unit_name: str,
@@ -92,6 +92,8 @@ class FlatParamHandle(OrigParams):
         for p in params:
             p._zeroshard_unit = unit_name  # marks it as owned; see wrap checks
         self.flat_param_host: nn.Module | None = None  # module whose _parameters hold flat_param
+        self.compute_module: nn.Module | None = None  # the wrapped module (its .training: see forced_full_precision)
+        self.full_prec_in_eval = False  # FSDP_USE_FULL_PREC_IN_EVAL=1 when the unit was wrapped
         self.is_root = False
         self.state = HandleState.IDLE
         self._gather_work = None
@@ -146,6 +148,13 @@ class FlatParamHandle(OrigParams):
         self.always_full = not self.sharded and self.compute_dtype == self.dtype and self.local_shard.device == self.device
         self._full: torch.Tensor | None = self.local_shard if self.always_full else None
         self.unsharded = self.always_full
+
+    @property
+    def forced_full_precision(self) -> bool:
+        """Mixed precision is off for this unit now: ``FSDP_USE_FULL_PREC_IN_EVAL=1``
+        and its module in eval mode (torch FSDP1's rule): gather, compute and reduce in ``dtype``."""
+        return (self.full_prec_in_eval and not self.compute_module.training
+                and (self.compute_dtype != self.dtype or self.reduce_dtype != self.dtype))
 
     def follow_cast(self):
         """``module.to(dtype)`` (or ``.double()``, ...) after wrapping cast the
@@ -208,15 +217,18 @@ class FlatParamHandle(OrigParams):
         """
         self.follow_cast()
         self.writeback_orig_params()
+        step = "summon_full_params" if full_precision else "forward/backward"
+        full_precision = full_precision or self.forced_full_precision
+        dtype = self.dtype if full_precision else self.compute_dtype
+        if self.unsharded and self._full.dtype != dtype:
+            self.reshard(free=True)  # gathered in the other precision (compute vs. summon / eval in full precision)
         if self.unsharded:
             return
-        dtype = self.dtype if full_precision else self.compute_dtype
         # Casting the shard before the all-gather halves its bytes under bf16/fp16.
         src = self.local_shard.to(self.device, dtype)  # no copy unless offloaded or cast
         if self.sharded:
             self._full = self._full_buffer(dtype)
             self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
-            step = "forward/backward" if not full_precision else "summon_full_params"
             what = f"unshard ({step}) of unit '{self.unit_name}'"
             if self.secondary is not None and not full_precision:  # ZeRO++ hpZ: backward gather inside the group
                 self._gather_work, self.secondary = self.hpz.gather(self._full, self.secondary, what), None
@@ -288,79 +300,6 @@ class FlatParamHandle(OrigParams):
         if trace._active:
             trace.resharded(self.unit_name, self.padded_bytes if was_unsharded and not self.unsharded else 0, unsharded_tracker.live_bytes)
 
-    # ------------------------------------------------------- full parameters
-    def enter_full_params(self, writeback: bool, with_grads: bool) -> dict:
-        """Gather the full parameters and register them under their original
-        names as ``nn.Parameter``s (for summon_full_params / state dicts).
-        Returns what :meth:`exit_full_params` needs to undo it."""
-        self.follow_cast()
-        self.writeback_orig_params()
-        if self.unsharded and self._full.dtype != self.dtype:
-            self.reshard(free=True)  # gathered in low precision for compute
-        # NO_SHARD in place (always_full): the views are the parameters themselves, so changes
-        # persist whatever ``writeback`` says, as torch FSDP1 documents for NO_SHARD.
-        undo = {"was_unsharded": self.unsharded, "grads": None}
-        if not self.always_full:
-            self.wait_unshard(full_precision=True)
-        flat = self.flat_param.detach()
-        views = [flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.layout.params]
-        if self.use_orig_params:
-            params = self.orig_params
-            for p, view in zip(params, views):
-                p.data = view
-        else:
-            params = [nn.Parameter(v, requires_grad=self.flat_param.requires_grad) for v in views]
-            self.flat_param_host._parameters.pop("_flat_param", None)
-        for p, info in zip(params, self.layout.params):
-            _register(info.module, info.name, p)
-        for info in self.layout.shared:
-            _register(info.module, info.name, params[info.prim_index])
-        if with_grads:
-            undo["grads"] = self._gather_full_grads(params)
-        return undo
-
-    def _gather_full_grads(self, params) -> torch.Tensor | None:
-        """The full flat gradient, with ``params``' grads viewing it; None if no rank has one."""
-        g = self.flat_param.grad
-        if self.sharded:
-            # Every rank joins the all-gather if any has a gradient (zeros stand in for a missing one).
-            have = torch.tensor([g is not None], dtype=torch.int32, device=self.local_shard.device)
-            comm.all_reduce(have, self.group, op=dist.ReduceOp.MAX, what=f"summon_full_params(with_grads) of unit '{self.unit_name}'")
-            if not have.item():
-                return None
-            g = g if g is not None else torch.zeros_like(self.local_shard)
-            full = g.new_empty(self.layout.padded_numel)
-            comm.all_gather(full, g, self.group, async_op=False, what=f"summon_full_params(with_grads) of unit '{self.unit_name}'")
-            g = full
-        elif g is None:
-            return None
-        for p, info in zip(params, self.layout.params):
-            p.grad = None
-            p.grad = g[info.offset : info.offset + info.numel].view(info.shape)
-        return g
-
-    def exit_full_params(self, writeback: bool, undo: dict):
-        if self.sharded and writeback:
-            start = self.rank * self.layout.shard_numel
-            self.local_shard.copy_(self._full[start : start + self.layout.shard_numel])
-            if undo["grads"] is not None:  # with_grads: this rank's part of the (maybe edited) gradient
-                own = undo["grads"][start : start + self.layout.shard_numel]
-                if self.flat_param.grad is None:
-                    self.flat_param.grad = own.clone()
-                else:
-                    self.flat_param.grad.copy_(own)
-        if not self.use_orig_params:
-            for info in (*self.layout.params, *self.layout.shared):
-                info.module._parameters.pop(info.name, None)
-            self.flat_param_host._parameters["_flat_param"] = self.flat_param
-            if self.always_full:
-                self.use_unsharded_views()
-            else:
-                self._placeholder_views()
-        self.reshard(free=not undo["was_unsharded"])
-        if self.use_orig_params:
-            self.use_sharded_grad_views()
-
     # ---------------------------------------------------------------- gradients
     def prepare_gradient_for_backward(self):
         """Move a sharded gradient from a previous step aside, so that autograd
@@ -377,16 +316,11 @@ class FlatParamHandle(OrigParams):
         if self.saved_grad_shard is not None:
             self.flat_param.grad = self.saved_grad_shard
             self.saved_grad_shard = None
-            if self.keep_low_precision_grads and self.flat_param.grad.dtype != self.compute_dtype:
+            if self.keep_low_precision_grads and self.flat_param.grad.dtype != self.compute_dtype and not self.forced_full_precision:
                 self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
         self.post_backward_called = False
         if self.use_orig_params:
             self.use_sharded_grad_views()
-
-
-def _register(module: nn.Module, name: str, param: nn.Parameter):
-    module.__dict__.pop(name, None)  # a plain view attribute would shadow the parameter
-    module._parameters[name] = param
 
 
 def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, in_parameters: bool):

@@ -36,6 +36,7 @@ from torch.nn.utils.rnn import PackedSequence
 from . import reduce, trace
 from .bucket import Bucketer
 from .handle import RESHARD_AFTER_FORWARD, HandleState
+from .mixed_precision import buffers_for_mode
 from .options import BackwardPrefetch
 
 MAX_LIVE_PREFETCH_UNITS = 2  # limit_all_gathers: non-root units unsharded at once
@@ -109,6 +110,7 @@ def root_pre_forward(state):
     if rt.callback_queued:  # the last backward never reached its end: it raised
         _recover_from_interrupted_backward(rt)
     rt.post_forward_order.clear()
+    buffers_for_mode(state, rt.states)
     for h in rt.handles:
         h.post_forward_index = None
         h.secondary = None  # hpZ: from before the optimizer step, stale

@@ -44,6 +44,15 @@ def _layout(root, prefix: str):
     return sharded, full
 
 
+def _refuse_mesh(root):
+    """torch FSDP1 refuses LOCAL_STATE_DICT for a model wrapped with a
+    ``device_mesh`` (it saves DTensors there, which LOCAL has no form for);
+    zeroshard does the same rather than save a dict torch cannot read."""
+    if any(getattr(m, "_device_mesh", None) is not None for m in root.modules() if hasattr(m, "_fsdp_wrapped_module")):
+        raise RuntimeError("zeroshard: LOCAL_STATE_DICT does not fit a model wrapped with device_mesh (torch FSDP1 "
+                           "refuses it too). Fix: use SHARDED_STATE_DICT (DTensor shards) or FULL_STATE_DICT.")
+
+
 @contextlib.contextmanager
 def _full_no_shard_units(units, writeback: bool):
     """NO_SHARD units show their full parameters under their own names meanwhile."""
@@ -66,6 +75,7 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     """The LOCAL state dict. A root whose ``_local_sharded_tensors`` is False
     (``compat.hfai``: per-rank files for torch.save) gets each flat entry as the
     plain padded shard instead of a ShardedTensor."""
+    _refuse_mesh(root)
     sharded, no_shard = _layout(root, prefix)
     if no_shard:
         warnings.warn(_NO_SHARD_WARNING, stacklevel=3)
@@ -136,6 +146,7 @@ def _load_flat(h, value, key: str):
 
 
 def load(root, state_dict, strict: bool = True):
+    _refuse_mesh(root)
     sharded, no_shard = _layout(root, "")
     flat_keys = {clean_key(p) + FLAT_PARAM: (p + WRAPPED_PREFIX + FLAT_PARAM, h) for p, h in sharded}
     with _full_no_shard_units(no_shard, writeback=True):

@@ -9,8 +9,14 @@ them:
 * buffers are cast once, at the root's lazy init, to the ``buffer_dtype`` of
   the innermost unit holding them (their original dtype is remembered so that
   state dicts can return it);
-* forward inputs are cast to ``param_dtype`` (``cast_forward_inputs``, or
-  ``cast_root_forward_inputs`` at the root) and moved to the compute device;
+* forward inputs: the root's are moved to the compute device (their
+  containers rebuilt as torch FSDP1 rebuilds them) and cast to ``param_dtype``
+  with ``cast_root_forward_inputs``; a unit with parameters of its own casts
+  its inputs with ``cast_forward_inputs``;
+* ``FSDP_USE_FULL_PREC_IN_EVAL=1`` (read at wrap time, as torch FSDP1 does):
+  a unit in eval mode drops mixed precision: it gathers, computes and reduces
+  in the parameters' dtype, its inputs are not cast, and the buffers are back
+  in their original dtype until the model trains again;
 * modules kept out of mixed precision (``_module_classes_to_ignore``, e.g.
   BatchNorm, see ``wrap``) get their inputs cast to fp32 and their outputs
   back to the input's dtype.
@@ -18,15 +24,19 @@ them:
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 
 import torch
+from torch.nn.utils.rnn import PackedSequence
 
 
 def cast_buffers(states):
     """Cast floating buffers to their unit's ``buffer_dtype`` (innermost unit
-    wins; ``states`` are the units in module order, root first)."""
+    wins; ``states`` are the units in module order, root first). Buffers of a
+    unit's ignored modules are left alone, by it and by the units around it."""
     seen = set()
     for s in reversed(states):
+        seen |= {id(b) for m in s._ignored_modules for b in m.buffers(recurse=False)}
         dtype = s.mixed_precision.buffer_dtype
         for buf in s.buffers():
             if id(buf) in seen:
@@ -37,30 +47,89 @@ def cast_buffers(states):
                 buf.data = buf.to(dtype)
 
 
-def _map_tensors(obj, fn):
-    """Apply ``fn`` to every tensor in nested lists, tuples and dicts of forward inputs."""
+def buffers_for_mode(root, states):
+    """``FSDP_USE_FULL_PREC_IN_EVAL=1``, at the root's pre-forward: while the
+    root (or, if it has no parameters, any unit) computes in full precision,
+    every buffer is back in its original dtype; on the way back to training
+    they are cast down again (torch FSDP1's rule)."""
+    handles = [root._handle] if root._handle is not None else [s._handle for s in states if s._handle is not None]
+    if any(h.forced_full_precision for h in handles):
+        for buf in root.buffers():
+            orig = getattr(buf, "_zeroshard_orig_dtype", buf.dtype)
+            if buf.dtype != orig:
+                buf.data = buf.to(orig)
+        root._buffers_in_full_precision = True
+    elif root.__dict__.get("_buffers_in_full_precision"):
+        cast_buffers(states)
+        root._buffers_in_full_precision = False
+
+
+def _is_namedtuple(obj) -> bool:
+    return isinstance(obj, tuple) and hasattr(obj, "_asdict") and hasattr(obj, "_fields")
+
+
+def map_tensors(fn, obj):
+    """``fn`` applied to every tensor in forward inputs (or outputs), through the
+    containers torch FSDP1 looks into and rebuilt as it rebuilds them:
+    dataclasses (every field), OrderedDicts (their class), other dicts (plain
+    dicts), namedtuples, and lists / tuples / sets (their class). A
+    PackedSequence passes unchanged: ``fn`` sees its data, but torch does not
+    cast it, so neither does zeroshard."""
     if torch.is_tensor(obj):
         return fn(obj)
-    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
-        return type(obj)(*(_map_tensors(o, fn) for o in obj))
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_map_tensors(o, fn) for o in obj)
-    if isinstance(obj, dict):  # OrderedDict stays an OrderedDict
-        return type(obj)((k, _map_tensors(v, fn)) for k, v in obj.items())
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _map_tensors(getattr(obj, f.name), fn)
-                                           for f in dataclasses.fields(obj) if f.init})
+        fields = dataclasses.fields(obj)
+        frozen = [f.name for f in fields if not f.init]
+        if frozen:
+            raise ValueError(f"zeroshard: cannot cast the forward input {type(obj).__name__}: its field '{frozen[0]}' is "
+                             "declared init=False, so dataclasses.replace cannot rebuild it (torch FSDP1 fails the "
+                             "same way). Fix: make the field init=True, pass its tensors separately, or turn off "
+                             "cast_forward_inputs / cast_root_forward_inputs in MixedPrecision.")
+        return dataclasses.replace(obj, **{f.name: map_tensors(fn, getattr(obj, f.name)) for f in fields})
+    if isinstance(obj, OrderedDict):
+        out = type(obj)()
+        for k, v in obj.items():
+            out[k] = map_tensors(fn, v)
+        return out
+    if isinstance(obj, PackedSequence):
+        map_tensors(fn, obj.data)
+        return obj
+    if isinstance(obj, dict):
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    if _is_namedtuple(obj):
+        return type(obj)(*(map_tensors(fn, o) for o in obj))
+    if isinstance(obj, (list, tuple, set)):
+        return type(obj)(map_tensors(fn, o) for o in obj)
     return obj
 
 
-def cast_floats(obj, dtype: torch.dtype):
-    """Forward inputs with every floating tensor cast to ``dtype``."""
-    return _map_tensors(obj, lambda t: t.to(dtype) if torch.is_floating_point(t) else t)
+def cast_floats(obj, dtype: torch.dtype | None):
+    """Forward inputs with every floating tensor cast to ``dtype`` (None: as they are)."""
+    if dtype is None:
+        return obj
+    return map_tensors(lambda t: t.to(dtype) if torch.is_floating_point(t) and t.dtype != dtype else t, obj)
 
 
-def to_device(obj, device: torch.device):
-    """Forward inputs with every tensor moved to the compute device."""
-    return _map_tensors(obj, lambda t: t.to(device, non_blocking=True))
+def root_inputs(obj, device: torch.device):
+    """The root's forward inputs as torch FSDP1 passes them on (its
+    ``_to_kwargs``): tensors and PackedSequences moved to the compute device,
+    and every non-empty tuple, list and dict rebuilt on the way, so the module
+    never sees the caller's own list. A tuple or list subclass (torch.Size too)
+    becomes a plain tuple or list; a namedtuple keeps its class, a dict its
+    class too (rebuilt from its items, keys included). Sets, dataclasses and
+    other objects pass as they are."""
+    if isinstance(obj, PackedSequence) or torch.is_tensor(obj):
+        here = obj.data.device if isinstance(obj, PackedSequence) else obj.device
+        return obj if here == device else obj.to(device)
+    if _is_namedtuple(obj):
+        return type(obj)(*(root_inputs(o, device) for o in obj))
+    if isinstance(obj, tuple) and obj:
+        return tuple(root_inputs(o, device) for o in obj)
+    if isinstance(obj, list) and obj:
+        return [root_inputs(o, device) for o in obj]
+    if isinstance(obj, dict) and obj:
+        return type(obj)(tuple((root_inputs(k, device), root_inputs(v, device)) for k, v in obj.items()))
+    return obj
 
 
 def run_in_fp32(module) -> None:
@@ -76,11 +145,11 @@ def run_in_fp32(module) -> None:
         return t.to(dtype)
 
     def pre(_, args):
-        return _map_tensors(args, lambda t: cast(torch.float32, t))
+        return map_tensors(lambda t: cast(torch.float32, t), args)
 
     def post(_, args, output):
         dtype = getattr(module, "_zeroshard_input_dtype", None)
-        return None if dtype is None else _map_tensors(output, lambda t: cast(dtype, t))
+        return None if dtype is None else map_tensors(lambda t: cast(dtype, t), output)
 
     module.register_forward_pre_hook(pre)
     module.register_forward_hook(post)

@@ -117,6 +117,9 @@ def _settings(model: nn.Module) -> tuple[bool, bool]:
     if not units:
         raise ValueError("zeroshard: the model has no FullyShardedDataParallel unit. Fix: pass the wrapped model.")
     kind = units[0]._state_dict_type
+    if kind == StateDictType.LOCAL_STATE_DICT and any(getattr(u, "_device_mesh", None) is not None for u in units):
+        raise RuntimeError("zeroshard: LOCAL_STATE_DICT does not fit a model wrapped with device_mesh (torch FSDP1 "
+                           "refuses it too). Fix: use SHARDED_STATE_DICT (DTensor shards) or FULL_STATE_DICT.")
     cfg = units[0].__dict__.get("_optim_state_dict_config")
     sharded = kind == StateDictType.SHARDED_STATE_DICT
     return sharded, not sharded and bool(getattr(cfg, "rank0_only", False))
@@ -163,10 +166,18 @@ def _is_elem(v) -> bool:
     return torch.is_tensor(v) and v.dim() > 0
 
 
-def _ordered(state: dict) -> dict:
-    """torch's order inside one parameter's state: per-element tensors, then
-    zero-dim tensors, then the rest, each sorted by name."""
-    rank = lambda kv: (0 if _is_elem(kv[1]) else 1 if torch.is_tensor(kv[1]) else 2, kv[0])  # noqa: E731
+def _ordered(state: dict, orig_params: bool) -> dict:
+    """torch's order inside one parameter's state. Flat parameters: per-element
+    tensors, then zero-dim tensors, then the rest, each sorted by name. With
+    ``use_orig_params``: the rest, then zero-dim tensors (both in the
+    optimizer's order, e.g. AdamW's ``step`` first), then the per-element
+    tensors sorted by name."""
+    def rank(kv):
+        kind = 0 if _is_elem(kv[1]) else 1 if torch.is_tensor(kv[1]) else 2
+        if orig_params:  # a stable sort: the optimizer's order stays within the first two kinds
+            return (2, kv[0]) if kind == 0 else (2 - kind, "")
+        return (kind, kv[0])
+
     return dict(sorted(state.items(), key=rank))
 
 
@@ -221,7 +232,7 @@ def _gather_unit(h, prefix: str, optim, finish) -> dict[str, dict]:
         for k, (kind, v) in names.items():
             if kind == "scalar":
                 out[prefix + h.layout.params[i].fqn][k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
-    return {k: _ordered(v) for k, v in out.items()}
+    return {k: _ordered(v, h.use_orig_params) for k, v in out.items()}
 
 
 def _full_flat(h, states, name, dtype, device, flat: bool) -> torch.Tensor:
@@ -277,23 +288,34 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, sharded: bool)
         finish = lambda t: to_row_shard(t, mesh)  # noqa: E731
     else:
         finish = (lambda t: t.to("cpu", copy=True)) if keep else None  # noqa: E731
-    state: dict[str, dict] = {}
+    per_unit: dict[int, dict[str, dict]] = {}
     # Every rank walks the units in the same order, so the collectives match.
     for h, prefix in _unit_prefixes(model):
         in_optim = [p for p in ([h.flat_param] if not h.use_orig_params else h.orig_params) if any(p is q for q in params)]
         if in_optim:
-            state.update(_gather_unit(h, prefix, optim, finish))
+            per_unit[id(h)] = _gather_unit(h, prefix, optim, finish)
     if not keep:
         return {}
+    plain = {}
     for p in params:
         kind, h, _, fqn = index.get(id(p), ("plain", None, None, None))
         if kind == "plain" and p in optim.state:
             if fqn is None:
                 raise ValueError("zeroshard: optim_state_dict: the optimizer holds a parameter that is not in the model. "
                                  "Fix: pass the model whose parameters the optimizer was built from.")
-            state[fqn] = _ordered({k: v.detach().clone() if torch.is_tensor(v) else v for k, v in optim.state[p].items()})
+            plain[fqn] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in optim.state[p].items()}  # torch copies it
+    # torch's order of the parameters. use_orig_params: it walks the sorted names,
+    # taking unmanaged states at once and each unit's (names sorted) after all of
+    # them, units in the order of their first name. Otherwise it walks the optimizer's parameters.
     if any(index.get(id(p), ("",))[0] == "orig" for p in params):
-        state = dict(sorted(state.items()))  # torch merges the ranks' keys and sorts them with use_orig_params
+        state = dict(sorted(plain.items()))
+        for unit in sorted((u for u in per_unit.values() if u), key=min):
+            state.update(sorted(unit.items()))
+    else:
+        state = {}
+        for p in params:
+            kind, h, _, fqn = index.get(id(p), ("plain", None, None, None))
+            state.update(per_unit.get(id(h), {}) if kind == "flat" else {fqn: plain[fqn]} if fqn in plain else {})
     # A named optimizer (torch's _NamedOptimizer, torchrec's KeyedOptimizer)
     # lists each group's parameters by their names in the wrapped model.
     by_name = dict(model.named_parameters()) if any(isinstance(k, str) for g in osd["param_groups"] for k in g["params"]) else {}

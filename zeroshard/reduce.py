@@ -123,7 +123,8 @@ def start_reduction(handle, bucketer: Bucketer | None = None) -> list[PendingRed
     gradient), or put it in a bucket; returns the reductions launched."""
     flat = handle.flat_param
     hooked = handle.comm_hook is not None
-    if flat.grad.dtype != handle.reduce_dtype and not (hooked and casts_itself(handle.comm_hook[0])):
+    # Not under FSDP_USE_FULL_PREC_IN_EVAL in eval mode: torch FSDP1 reduces in full precision then.
+    if flat.grad.dtype != handle.reduce_dtype and not (hooked and casts_itself(handle.comm_hook[0])) and not handle.forced_full_precision:
         flat.grad.data = flat.grad.data.to(handle.reduce_dtype)
     if hooked:  # the hook communicates and divides
         return [_run_hook(handle)]

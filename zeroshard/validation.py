@@ -165,3 +165,17 @@ def split_ignored(ignored_modules, ignored_states, module):
     raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_states must be all "
                      f"nn.Parameters or all nn.Modules, got {sorted({type(s).__name__ for s in states})}. "
                      "Fix: split them, passing one kind.")
+
+
+def check_homogeneous(states):
+    """Units under one root share one runtime, so (as torch FSDP1 requires at
+    the first forward) they must agree on ``use_orig_params``,
+    ``limit_all_gathers`` and ``FSDP_USE_FULL_PREC_IN_EVAL`` (read at wrap time)."""
+    for attr, name in (("use_orig_params", "use_orig_params"), ("limit_all_gathers", "limit_all_gathers"),
+                       ("_use_full_prec_in_eval", "the FSDP_USE_FULL_PREC_IN_EVAL environment variable")):
+        values = {getattr(s, attr) for s in states}
+        if len(values) > 1:
+            odd = [type(s.module).__name__ for s in states if getattr(s, attr) != getattr(states[0], attr)]
+            raise ValueError(f"zeroshard: the units under one root disagree on {name}: the root's is "
+                             f"{getattr(states[0], attr)}, units wrapping {', '.join(odd)} differ. Fix: wrap every unit with the same {name} "
+                             "(auto_wrap_policy passes the root's settings on).")

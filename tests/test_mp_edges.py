@@ -1,0 +1,338 @@
+"""Mixed-precision and wrapping edges compared with torch FSDP1 on gloo ranks
+(found by a side-by-side review of hybrid sharding and mixed precision):
+what the root hands its module (torch's ``_to_kwargs`` container rules),
+which units cast inputs, ignored modules' buffers under ``buffer_dtype``,
+``FSDP_USE_FULL_PREC_IN_EVAL=1``, and settings torch refuses (nested units
+that disagree, ``process_group`` with ``device_mesh``, LOCAL with a mesh)."""
+from __future__ import annotations
+
+import collections
+import contextlib
+import copy
+import dataclasses
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.fsdp as tfsdp
+import torch.distributed.fsdp.wrap as twrap
+import torch.nn as nn
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence
+
+import zeroshard as zs
+from models import Block
+
+ENGINES = {"torch": (tfsdp, twrap, {"device_id": torch.device("cpu")}), "zeroshard": (zs, zs.wrap, {})}
+
+
+def _fsdp(engine, module, **kw):
+    lib, _, extra = ENGINES[engine]
+    if "sharding_strategy" in kw:
+        kw["sharding_strategy"] = getattr(lib.ShardingStrategy, kw["sharding_strategy"])
+    if isinstance(kw.get("mixed_precision"), dict):
+        kw["mixed_precision"] = lib.MixedPrecision(**kw["mixed_precision"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return lib.FullyShardedDataParallel(module, **extra, **kw)
+
+
+# ------------------------------------------------------------ root inputs
+NT = collections.namedtuple("NT", "a b")
+
+
+class MyDict(dict):
+    pass
+
+
+class MyTuple(tuple):
+    pass
+
+
+class MyList(list):
+    pass
+
+
+@dataclasses.dataclass
+class DC:
+    a: torch.Tensor
+    n: int = 3
+
+
+@dataclasses.dataclass
+class DCNoInit:
+    a: torch.Tensor
+    b: torch.Tensor = dataclasses.field(init=False, default=None)
+
+
+def summary(o) -> str:
+    """What a module received: container classes and tensor dtypes."""
+    if torch.is_tensor(o):
+        return f"T[{o.dtype}]"
+    if isinstance(o, PackedSequence):
+        return f"Packed[{o.data.dtype}]"
+    if dataclasses.is_dataclass(o):
+        return f"{type(o).__name__}({', '.join(summary(getattr(o, f.name)) for f in dataclasses.fields(o))})"
+    if isinstance(o, dict):
+        return f"{type(o).__name__}{{{', '.join(f'{k}: {summary(v)}' for k, v in o.items())}}}"
+    if isinstance(o, (list, tuple, set)):
+        items = sorted(map(summary, o)) if isinstance(o, set) else list(map(summary, o))
+        return f"{type(o).__name__}({', '.join(items)})"
+    return f"{type(o).__name__}:{o!r}"
+
+
+class Recorder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x, arg, kw=None):
+        self.seen = (summary(arg), summary(kw))
+        if isinstance(arg, list):
+            arg.append("appended")  # the caller's list must not see it (torch hands on a copy)
+        return self.lin(x.to(self.lin.weight.dtype))
+
+
+def _inputs():
+    t = torch.ones(2, 4)
+    return {
+        "scalars": [3, True, torch.ones(2, dtype=torch.long), torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.float64)],
+        "set": {t.clone()},
+        "dict_subclass": MyDict(a=t.clone()),
+        "ordered_dict": collections.OrderedDict(a=t.clone()),
+        "defaultdict": collections.defaultdict(list, a=t.clone()),
+        "tuple_subclass": MyTuple([t.clone()]),
+        "size": torch.Size([2, 4]),
+        "list_subclass": MyList([t.clone()]),
+        "namedtuple": NT(t.clone(), 1),
+        "packed": pack_padded_sequence(torch.ones(3, 2, 4), [3, 2]),
+        "dataclass": DC(t.clone()),
+        "dataclass_init_false": DCNoInit(t.clone()),
+        "list": [t.clone()],
+        "empty": (),
+    }
+
+
+def _root_inputs(rank, world_size):
+    for mp in (None, {"param_dtype": torch.bfloat16}):
+        torch.manual_seed(0)
+        base = Recorder()
+        models = [_fsdp(e, copy.deepcopy(base), mixed_precision=mp) for e in ENGINES]
+        for name in _inputs():
+            seen = []
+            for m in models:
+                arg = _inputs()[name]
+                try:
+                    m(torch.ones(2, 4), arg, kw=arg)
+                    seen.append((m.module.seen, summary(arg)))
+                except (TypeError, ValueError) as e:
+                    seen.append(type(e).__name__)
+            assert seen[0] == seen[1], (mp, name, seen)
+    return True
+
+
+def test_root_inputs_reach_the_module_as_under_torch(ranks):
+    """Containers rebuilt (lists copied, tuple / list subclasses and torch.Size
+    made plain, dict subclasses kept) and, under mixed precision, cast as
+    torch casts them: sets too, PackedSequence not; the same errors where
+    torch fails (a defaultdict, a dataclass with an init=False field)."""
+    assert all(ranks.run(2, _root_inputs))
+
+
+# ------------------------------------------------------- which units cast
+class Scale(nn.Module):  # no parameters of its own
+    def forward(self, x):
+        self.seen = x.dtype
+        return x * 2
+
+
+class TwoParts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.scale = nn.Linear(4, 4), Scale()
+
+    def forward(self, x):
+        self.seen = x.dtype
+        return self.lin(x.to(self.lin.weight.dtype)).float() + self.scale(x.float())
+
+
+def _cast_inputs(rank, world_size):
+    torch.manual_seed(0)
+    base, x = TwoParts(), torch.randn(2, 4)
+    for cast_root in (False, True):
+        res = []
+        for engine in ENGINES:
+            mp = {"param_dtype": torch.bfloat16, "cast_forward_inputs": True, "cast_root_forward_inputs": cast_root}
+            net = copy.deepcopy(base)
+            net.lin, net.scale = _fsdp(engine, net.lin, mixed_precision=mp), _fsdp(engine, net.scale, mixed_precision=mp)
+            m = _fsdp(engine, net, mixed_precision=mp)
+            y = m(x)
+            res.append((m.module.seen, m.module.scale.module.seen, y))
+        (ra, sa, ya), (rb, sb, yb) = res
+        assert (ra, sa) == (rb, sb) and torch.equal(ya, yb), (cast_root, res)
+        assert sb == torch.float32 and rb == (torch.bfloat16 if cast_root else torch.float32)
+    return True
+
+
+def test_cast_forward_inputs_only_in_units_with_parameters(ranks):
+    """torch FSDP1 casts a unit's inputs only if the unit has a FlatParameter:
+    neither a parameter-free unit nor a root whose parameters all sit in nested units."""
+    assert all(ranks.run(2, _cast_inputs))
+
+
+# ------------------------------------------------------- ignored buffers
+class Norm(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return x * self.scale
+
+
+class WithNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(4, 4), Norm(4)
+        self.register_buffer("root_buf", torch.ones(4))
+
+    def forward(self, x):
+        return self.norm(self.lin(x)).float() * self.root_buf
+
+
+def _ignored_buffers(rank, world_size, how):
+    torch.manual_seed(0)
+    base, x = WithNorm(), torch.randn(2, 4)
+    res = []
+    for engine in ENGINES:
+        net = copy.deepcopy(base)
+        m = _fsdp(engine, net, mixed_precision={"buffer_dtype": torch.bfloat16}, **{how: [net.norm]})
+        y = m(x)
+        sd = m.state_dict()
+        res.append((net.norm.scale.dtype, net.root_buf.dtype, sd["norm.scale"].dtype, sd["root_buf"].dtype, y))
+    assert res[0][:4] == res[1][:4] == (torch.float32, torch.bfloat16, torch.float32, torch.float32), res
+    assert torch.equal(res[0][4], res[1][4])
+    return True
+
+
+@pytest.mark.parametrize("how", ["ignored_modules", "ignored_states"])
+def test_buffer_dtype_leaves_ignored_modules_buffers(ranks, how):
+    assert all(ranks.run(2, _ignored_buffers, how))
+
+
+# ------------------------------------------- FSDP_USE_FULL_PREC_IN_EVAL=1
+class Net(nn.Module):
+    def __init__(self, d=8):
+        super().__init__()
+        self.inp = nn.Linear(d, 16)
+        self.blocks = nn.ModuleList(Block(16, 24) for _ in range(2))
+        self.out = nn.Linear(16, 3)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 16))
+
+    def forward(self, x):
+        h = self.inp(x) * self.scale.to(x.dtype)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+def _full_prec_in_eval(rank, world_size, strategy, use_orig_params, keep_low):
+    mp = {"param_dtype": torch.bfloat16, "reduce_dtype": torch.bfloat16, "buffer_dtype": torch.bfloat16,
+          "keep_low_precision_grads": keep_low}
+    torch.manual_seed(0)
+    base = Net()
+    x = [torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * s + rank)) for s in range(4)]
+    seen = []
+    for engine in ENGINES:
+        with _env("FSDP_USE_FULL_PREC_IN_EVAL", "1"):
+            m = _fsdp(engine, copy.deepcopy(base), mixed_precision=mp, sharding_strategy=strategy,
+                      use_orig_params=use_orig_params, auto_wrap_policy=ENGINES[engine][1].ModuleWrapPolicy({Block}))
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        trace = []
+
+        def step(inp):
+            y = m(inp)
+            y.float().pow(2).mean().backward()
+            trace.append([None if p.grad is None else (p.grad.dtype, p.grad.clone()) for p in m.parameters()])
+            opt.step()
+            opt.zero_grad()
+            trace.append([y.dtype, m.module.scale.dtype])
+
+        step(x[0])  # train: bf16
+        m.eval()
+        with torch.no_grad():
+            y = m(x[1])
+        trace.append([y.dtype, y, m.module.scale.dtype])  # eval: fp32 output, fp32 buffers
+        step(x[2])  # a backward in eval mode: full-precision reduction
+        m.train()
+        step(x[3])  # train again: bf16 buffers
+        trace.append([p.detach().clone() for p in m.parameters()])
+        m(x[0])  # a forward with no backward: the root (SHARD_GRAD_OP: every unit) stays gathered in bf16,
+        m.eval()
+        with torch.no_grad():
+            y = m(x[1])
+        trace.append([y.dtype, y])  # and eval gathers it again in fp32 (torch breaks at a later backward: not tested)
+        seen.append(trace)
+    assert seen[0][2][0] == torch.float32 and seen[0][2][2] == torch.float32  # torch really ran eval in fp32
+    for a, b in zip(*seen):
+        for u, v in zip(a, b):
+            if torch.is_tensor(u):
+                assert u.dtype == v.dtype and torch.equal(u, v)
+            elif isinstance(u, tuple):
+                assert u[0] == v[0] and torch.equal(u[1], v[1])
+            else:
+                assert u == v
+    return True
+
+
+@pytest.mark.parametrize("strategy,use_orig_params,keep_low", [
+    ("FULL_SHARD", False, False), ("SHARD_GRAD_OP", True, False), ("NO_SHARD", False, True), ("FULL_SHARD", True, True)])
+def test_full_precision_in_eval(ranks, strategy, use_orig_params, keep_low):
+    """torch FSDP1's FSDP_USE_FULL_PREC_IN_EVAL=1: eval forwards (and backwards)
+    run in fp32 with fp32 buffers, then training goes back to bf16; outputs,
+    gradients and parameters equal torch's throughout."""
+    assert all(ranks.run(2, _full_prec_in_eval, strategy, use_orig_params, keep_low))
+
+
+# ------------------------------------------------------ refused settings
+def _refusals(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    import torch.distributed as dist
+
+    for engine in ENGINES:
+        for attr in ("use_orig_params", "limit_all_gathers"):
+            net = nn.Sequential(Block(4, 8), Block(4, 8))
+            net[0] = _fsdp(engine, net[0], **{attr: True})
+            m = _fsdp(engine, net, **{attr: False})
+            with pytest.raises(ValueError, match="homogeneous" if engine == "torch" else f"disagree on {attr}"):
+                m(torch.ones(2, 4))
+        mesh = init_device_mesh("cpu", (world_size,))
+        with pytest.raises(ValueError, match="process_group and device_mesh"):
+            _fsdp(engine, Block(4, 8), process_group=dist.group.WORLD, device_mesh=mesh)
+        lib = ENGINES[engine][0]
+        m = _fsdp(engine, Block(4, 8), device_mesh=mesh)
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        with lib.FullyShardedDataParallel.state_dict_type(m, lib.StateDictType.LOCAL_STATE_DICT):
+            for call in (m.state_dict, lambda: m.load_state_dict({}), lambda: lib.FullyShardedDataParallel.optim_state_dict(m, opt)):
+                with pytest.raises(RuntimeError, match="LOCAL_STATE_DICT"):
+                    call()
+    return True
+
+
+def test_settings_torch_refuses_are_refused(ranks):
+    """Nested units disagreeing on use_orig_params / limit_all_gathers,
+    process_group with device_mesh, and LOCAL_STATE_DICT with a device_mesh."""
+    assert all(ranks.run(2, _refusals))

@@ -1,0 +1,98 @@
+"""``summon_full_params`` on one unit: the full parameters under their original names.
+
+State dicts, ``summon_full_params`` and ``apply`` need every parameter whole
+and registered as an ``nn.Parameter`` where the plain module has it. The
+unit gathers its shard in the parameters' own dtype (never the mixed-precision
+compute dtype), registers views of the gathered buffer as parameters (with
+``with_grads``, the gradient gathered likewise), and on exit copies this rank's
+chunk back into the shard (``writeback``) and returns to its sharded layout.
+
+A mixin of :class:`~zeroshard.handle.FlatParamHandle` (its ``layout``,
+``local_shard``, ``flat_param``, gather and view methods).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from . import comm
+
+
+class FullParams:
+    def enter_full_params(self, writeback: bool, with_grads: bool) -> dict:
+        """Gather the full parameters and register them under their original
+        names as ``nn.Parameter``s (for summon_full_params / state dicts).
+        Returns what :meth:`exit_full_params` needs to undo it."""
+        self.follow_cast()
+        self.writeback_orig_params()
+        if self.unsharded and self._full.dtype != self.dtype:
+            self.reshard(free=True)  # gathered in low precision for compute
+        # NO_SHARD in place (always_full): the views are the parameters themselves, so changes
+        # persist whatever ``writeback`` says, as torch FSDP1 documents for NO_SHARD.
+        undo = {"was_unsharded": self.unsharded, "grads": None}
+        if not self.always_full:
+            self.wait_unshard(full_precision=True)
+        flat = self.flat_param.detach()
+        views = [flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.layout.params]
+        if self.use_orig_params:
+            params = self.orig_params
+            for p, view in zip(params, views):
+                p.data = view
+        else:
+            params = [nn.Parameter(v, requires_grad=self.flat_param.requires_grad) for v in views]
+            self.flat_param_host._parameters.pop("_flat_param", None)
+        for p, info in zip(params, self.layout.params):
+            _register(info.module, info.name, p)
+        for info in self.layout.shared:
+            _register(info.module, info.name, params[info.prim_index])
+        if with_grads:
+            undo["grads"] = self._gather_full_grads(params)
+        return undo
+
+    def _gather_full_grads(self, params) -> torch.Tensor | None:
+        """The full flat gradient, with ``params``' grads viewing it; None if no rank has one."""
+        g = self.flat_param.grad
+        if self.sharded:
+            # Every rank joins the all-gather if any has a gradient (zeros stand in for a missing one).
+            have = torch.tensor([g is not None], dtype=torch.int32, device=self.local_shard.device)
+            comm.all_reduce(have, self.group, op=dist.ReduceOp.MAX, what=f"summon_full_params(with_grads) of unit '{self.unit_name}'")
+            if not have.item():
+                return None
+            g = g if g is not None else torch.zeros_like(self.local_shard)
+            full = g.new_empty(self.layout.padded_numel)
+            comm.all_gather(full, g, self.group, async_op=False, what=f"summon_full_params(with_grads) of unit '{self.unit_name}'")
+            g = full
+        elif g is None:
+            return None
+        for p, info in zip(params, self.layout.params):
+            p.grad = None
+            p.grad = g[info.offset : info.offset + info.numel].view(info.shape)
+        return g
+
+    def exit_full_params(self, writeback: bool, undo: dict):
+        if self.sharded and writeback:
+            start = self.rank * self.layout.shard_numel
+            self.local_shard.copy_(self._full[start : start + self.layout.shard_numel])
+            if undo["grads"] is not None:  # with_grads: this rank's part of the (maybe edited) gradient
+                own = undo["grads"][start : start + self.layout.shard_numel]
+                if self.flat_param.grad is None:
+                    self.flat_param.grad = own.clone()
+                else:
+                    self.flat_param.grad.copy_(own)
+        if not self.use_orig_params:
+            for info in (*self.layout.params, *self.layout.shared):
+                info.module._parameters.pop(info.name, None)
+            self.flat_param_host._parameters["_flat_param"] = self.flat_param
+            if self.always_full:
+                self.use_unsharded_views()
+            else:
+                self._placeholder_views()
+        self.reshard(free=not undo["was_unsharded"])
+        if self.use_orig_params:
+            self.use_sharded_grad_views()
+
+
+def _register(module: nn.Module, name: str, param: nn.Parameter):
+    module.__dict__.pop(name, None)  # a plain view attribute would shadow the parameter
+    module._parameters[name] = param
