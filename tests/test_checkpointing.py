@@ -139,6 +139,16 @@ def _checkpointed_parity(rank, world_size, model_name, place, reentrant, strateg
             per_unit[s.unit] = per_unit.get(s.unit, 0) + 1
         rs_units = sorted(s.unit for s in tl.select("reduce_scatter"))
         gathers_per_unit.append((per_unit, rs_units))
+    # Names as torch gives them: parameters, units' modules (inside the checkpoint wrapper), optimizer state.
+    assert [n for n, _ in ref.named_parameters()] == [n for n, _ in ours.named_parameters()]
+    assert [type(u.module) for u in tfsdp.FullyShardedDataParallel.fsdp_modules(ref)] == [type(u.module) for u in units]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with tfsdp.FullyShardedDataParallel.state_dict_type(ref, tfsdp.StateDictType.FULL_STATE_DICT, tfsdp.FullStateDictConfig(),
+                                                           tfsdp.FullOptimStateDictConfig(offload_to_cpu=False)):
+            osd_ref = tfsdp.FullyShardedDataParallel.optim_state_dict(ref, opt_ref)
+    osd_ours = zs.FSDP.optim_state_dict(ours, opt_ours)
+    assert list(osd_ref["state"]) == list(osd_ours["state"]) and osd_ref["param_groups"] == osd_ours["param_groups"]
     names = [h.unit_name for h in handles]
     root = next(h.unit_name for h in handles if h.is_root)
     return dict(units=len(handles), names=names, root=root, counts=counts, per_unit=gathers_per_unit, live=live_after)

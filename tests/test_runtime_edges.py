@@ -192,3 +192,104 @@ def _grad_inside_forward(rank, world_size):
 def test_autograd_grad_inside_the_root_forward(ranks):
     """An inner unit's pre-backward during a nested autograd.grad must not end the step."""
     assert all(ranks.run(2, _grad_inside_forward))
+
+
+# ----------------------------------------- mixed precision, several uses of a unit
+class Reuse(nn.Module):
+    """``blk`` runs twice in one forward (``twice``), or the whole model runs twice before one backward (siamese)."""
+
+    def __init__(self, twice: bool):
+        super().__init__()
+        self.inp, self.blk, self.out = nn.Linear(7, 7), nn.Linear(7, 7), nn.Linear(7, 3)
+        self.frozen = nn.Linear(7, 7).requires_grad_(False)
+        self.twice = twice
+
+    def forward(self, x):
+        x = self.frozen(self.blk(self.inp(x)))
+        return self.out(self.blk(x) if self.twice else x)
+
+
+def _reuse_under_mp(rank, world_size, strategy, frozen_strategy):
+    mp = {"param_dtype": torch.bfloat16}
+    for twice in (True, False):
+        models = []
+        for engine in ("torch", "zeroshard"):
+            lib, extra = (tfsdp, {"device_id": torch.device("cpu")}) if engine == "torch" else (zs, {})
+            kw = dict(mixed_precision=lib.MixedPrecision(**mp), **extra)
+            net = _seeded(Reuse, twice)
+            net.blk = lib.FullyShardedDataParallel(net.blk, sharding_strategy=getattr(lib.ShardingStrategy, strategy), **kw)
+            # A frozen unit in the backward path: its low-precision copy must be dropped although no hook runs for it.
+            net.frozen = lib.FullyShardedDataParallel(net.frozen, sharding_strategy=getattr(lib.ShardingStrategy, frozen_strategy), **kw)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                models.append(lib.FullyShardedDataParallel(net, sharding_strategy=getattr(lib.ShardingStrategy, strategy), **kw))
+
+        def loss(m, x):
+            if twice:
+                return m(x).float().pow(2).mean()
+            a, b = m(x), m(2 * x)
+            return (a.float() - b.float()).pow(2).mean() + a.float().mean()
+
+        _train(models, loss, rank, steps=3)
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_unit_used_twice_under_mixed_precision(ranks, strategy):
+    """Each unshard under mixed precision gives the FlatParameter a new
+    AccumulateGrad node; the post-backward must wait for the first forward's
+    (it used to fire at the first node: freed parameters or a corrupted heap)."""
+    assert all(ranks.run(2, _reuse_under_mp, strategy, "NO_SHARD" if strategy != "NO_SHARD" else "FULL_SHARD"))
+
+
+def _abandoned_forward(rank, world_size, strategy):
+    """A forward whose backward never comes, under mixed precision: the next
+    step's gradients equal those of a model that skipped it (torch FSDP1 leaves
+    them unreduced there)."""
+    models = []
+    for abandon in (False, True):
+        net = _seeded(Reuse, True)
+        kw = dict(sharding_strategy=getattr(zs.ShardingStrategy, strategy), mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16))
+        net.blk, net.frozen = zs.FSDP(net.blk, **kw), zs.FSDP(net.frozen, **kw)
+        models.append(zs.FSDP(net, **kw))
+        if abandon:
+            models[-1](_x(rank, 9))
+    _train(models, lambda m, x: m(x).float().pow(2).mean(), rank, steps=2)
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_forward_without_backward_under_mixed_precision(ranks, strategy):
+    assert all(ranks.run(2, _abandoned_forward, strategy))
+
+
+class SharedModule(nn.Module):
+    """One Sequential object registered under two names (``b1`` and ``b2``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(7, 8), nn.Linear(8, 3)
+        self.b1 = self.b2 = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+
+    def forward(self, x):
+        return self.out(self.b2(self.b1(self.inp(x))))
+
+
+def _shared_module(rank, world_size, use_orig_params):
+    models = []
+    for engine in ("torch", "zeroshard"):
+        lib, extra = (tfsdp, {"device_id": torch.device("cpu")}) if engine == "torch" else (zs, {})
+        models.append(lib.FullyShardedDataParallel(_seeded(SharedModule), use_orig_params=use_orig_params, **extra))
+    _train(models, lambda m, x: m(x).pow(2).mean(), rank, steps=2)
+    assert [n for n, _ in models[0].named_parameters()] == [n for n, _ in models[1].named_parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sds = [m.state_dict() for m in models]
+    assert list(sds[0]) == list(sds[1]) and all(torch.equal(sds[0][k], sds[1][k]) for k in sds[0])
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_module_registered_under_two_names(ranks, use_orig_params):
+    """The module is flattened once, under its first name, as torch does (zeroshard raised a KeyError)."""
+    assert all(ranks.run(2, _shared_module, use_orig_params))

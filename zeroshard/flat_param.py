@@ -111,9 +111,12 @@ def collect_params(root: nn.Module, skip: set[nn.Module], ignored_params=frozens
     the order torch FSDP1 flattens in. Returns (entries, aliases) where an
     alias is a repeated reference to an entry's parameter.
     """
-    entries, aliases, seen = [], [], {}
+    entries, aliases, seen, visited = [], [], {}, set()
 
     def visit(module: nn.Module, prefix: str):
+        if module in visited:  # one module object under two names: its first path owns it (named_modules' rule)
+            return
+        visited.add(module)
         for name, param in module._parameters.items():
             if param is None or param in ignored_params:
                 continue

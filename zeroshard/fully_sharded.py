@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import warnings
-import weakref
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
 from . import comm_hooks, groups, hooks, local_state, materialize, optim_legacy, optim_load, optim_state, validation
 from . import state_dict as sd
@@ -31,6 +31,11 @@ from .wrap import wrap_submodules
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FLAT_PARAM = "_flat_param"
+
+
+def _unwrapped(module: nn.Module) -> nn.Module:
+    """``module`` without torch's activation-checkpointing / offload wrapper (an ActivationWrapper)."""
+    return module._checkpoint_wrapped_module if isinstance(module, ActivationWrapper) else module
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -150,12 +155,11 @@ class FullyShardedDataParallel(nn.Module):
             self._handle.quant = quantized_all_gather if self._handle.sharded else None
             self._handle.hpz = SecondaryShards(hpz_group) if hpz_group is not None and self._handle.sharded else None
             flat = self._handle.flat_param
-            self._handle.flat_param_host = module
+            # torch FSDP1 registers it on ``self.module``: inside an activation-checkpointing wrapper.
+            host = self._handle.flat_param_host = _unwrapped(module)
             self._handle.compute_module, self._handle.full_prec_in_eval = module, self._use_full_prec_in_eval
             if not use_orig_params:
-                module._parameters[FLAT_PARAM] = flat
-        self._post_backward_hooked = False
-        self._hook_post_backward()
+                host._parameters[FLAT_PARAM] = flat
         self._comm_hook = self._comm_hook_state = None
         self._summoning = 0  # > 0 inside summon_full_params
         self._is_root: bool | None = None
@@ -167,8 +171,8 @@ class FullyShardedDataParallel(nn.Module):
     # ------------------------------------------------------------------ runtime
     @property
     def module(self) -> nn.Module:
-        """The wrapped module."""
-        return self._fsdp_wrapped_module
+        """The wrapped module (inside an activation-checkpointing wrapper, as torch FSDP1 gives it)."""
+        return _unwrapped(self._fsdp_wrapped_module)
 
     def _lazy_init(self):
         """On the first call, the instance it is called on becomes the root."""
@@ -196,18 +200,6 @@ class FullyShardedDataParallel(nn.Module):
                 s._handle.unit_name = (paths[s].replace("_fsdp_wrapped_module.", "") or "<root>") + f" ({s._handle.unit_name})"
 
 
-    def _hook_post_backward(self):
-        """Run ``hooks.post_backward`` when the FlatParameter's gradient is complete.
-        A unit whose parameters are all frozen gets the hook once one requires grad."""
-        h = self._handle
-        if self._post_backward_hooked or h is None or not h.flat_param.requires_grad:
-            return
-        # The hook lives in C++ (on the tensor), out of the garbage collector's
-        # sight: a strong reference to self would keep every wrapped model alive forever.
-        unit = weakref.ref(self)
-        h.flat_param.register_post_accumulate_grad_hook(lambda p: hooks.post_backward(unit(), p))
-        self._post_backward_hooked = True
-
     def forward(self, *args, **kwargs):
         self._lazy_init()
         mp, h = self.mixed_precision, self._handle
@@ -219,7 +211,6 @@ class FullyShardedDataParallel(nn.Module):
                 args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         if mp.cast_forward_inputs and h is not None and not full_precision:  # torch: only units with a FlatParameter
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
-        self._hook_post_backward()
         hooks.pre_forward(self)
         if not self._is_root:
             return hooks.post_forward(self, self._fsdp_wrapped_module(*args, **kwargs))

@@ -102,6 +102,10 @@ class FlatParamHandle(OrigParams, FullParams):
         self.needs_pre_backward_unshard = False
         self.ran_pre_backward = False
         self.post_backward_called = False
+        # The post-backward hook on this iteration's first AccumulateGrad node
+        # (node, removable handle), and whether any gradient accumulated (see hooks).
+        self.post_backward_hook = None
+        self.accumulate_hooked = self.grad_accumulated = False
         self.pre_forward_index: int | None = None
         self.post_forward_index: int | None = None
         self.saved_grad_shard: torch.Tensor | None = None
@@ -208,6 +212,10 @@ class FlatParamHandle(OrigParams, FullParams):
         """Back to idle after a backward: the next forward starts afresh."""
         self.state = HandleState.IDLE
         self.ran_pre_backward = self.needs_pre_backward_unshard = self.prefetched = False
+        self.post_backward_called = self.grad_accumulated = False
+        if self.post_backward_hook is not None:
+            self.post_backward_hook[1].remove()
+            self.post_backward_hook = None
 
     # ------------------------------------------------------------------ unshard
     def unshard(self, full_precision: bool = False):
@@ -318,7 +326,6 @@ class FlatParamHandle(OrigParams, FullParams):
             self.saved_grad_shard = None
             if self.keep_low_precision_grads and self.flat_param.grad.dtype != self.compute_dtype and not self.forced_full_precision:
                 self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
-        self.post_backward_called = False
         if self.use_orig_params:
             self.use_sharded_grad_views()
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+import weakref
 
 import torch
 from torch.autograd import Variable
@@ -97,8 +98,7 @@ def _recover_from_interrupted_backward(rt):
         if h is None:
             continue
         h.saved_grad_shard = None
-        h.post_backward_called = False
-        if h.sharded:
+        if not h.always_full:  # NO_SHARD's low-precision copy too
             h.reshard(free=True)
         h.end_iteration()
     rt.callback_queued = False
@@ -132,6 +132,7 @@ def pre_forward(state):
         handle.pre_forward_index = len(rt.pre_forward_order)
         rt.pre_forward_order.append(handle)
     _unshard_for_compute(state, handle)
+    _hook_post_backward(state, handle)
     if trace._active:
         trace.span_begin("forward", handle.unit_name)
     handle.needs_pre_forward_unshard = False
@@ -139,6 +140,36 @@ def pre_forward(state):
         nxt = handle.pre_forward_index + 1
         if nxt < len(rt.pre_forward_order) and rt.pre_forward_order[nxt].needs_pre_forward_unshard:
             _prefetch(state, handle, rt.pre_forward_order[nxt])
+
+
+def _hook_post_backward(state, handle):
+    """Run ``post_backward`` when the FlatParameter's gradient is complete.
+
+    The hook goes on the FlatParameter's AccumulateGrad node of the first
+    forward of the iteration, as torch FSDP1 does. A unit run twice before one
+    backward may have two nodes: under mixed precision each unshard changes
+    the dtype of ``.data``, which drops autograd's cached node. The first
+    forward's node runs last in backward, once every use has added its part;
+    a hook on the tensor would fire at the first node and free parameters the
+    other use still needs. A tensor hook only notes that a gradient arrived,
+    for the end of backward to catch a node that never ran (see ``post_backward_final``).
+    The hooks live in C++, out of the garbage collector's sight: they hold the unit weakly.
+    """
+    flat = handle.flat_param
+    if not torch.is_grad_enabled() or not flat.requires_grad:
+        return
+    unit = weakref.ref(state)
+    if not handle.accumulate_hooked:
+        flat.register_post_accumulate_grad_hook(lambda p: _note_accumulated(unit()))
+        handle.accumulate_hooked = True
+    if handle.post_backward_hook is None:
+        node = flat.expand_as(flat).grad_fn.next_functions[0][0]
+        handle.post_backward_hook = (node, node.register_hook(lambda *_: post_backward(unit(), flat)))
+
+
+def _note_accumulated(state):
+    if state is not None:
+        state._handle.grad_accumulated = True
 
 
 def post_forward(state, output):
@@ -280,6 +311,12 @@ def post_backward(state, flat_param):
 @torch.no_grad()
 def post_backward_final(root):
     rt = root._runtime
+    for state in rt.states:
+        h = state._handle
+        # A gradient reached a node other than the hooked one (whose forward's graph backward
+        # never reached, e.g. a forward with no backward before this one): finish it now.
+        if h is not None and h.grad_accumulated and not h.post_backward_called:
+            post_backward(state, h.flat_param)
     rt.pending += reduce.flush(rt.bucketer)
     reduce.finish_reductions(rt.pending)
     for state in rt.states:
@@ -287,7 +324,7 @@ def post_backward_final(root):
         if handle is not None:
             if trace._active:  # a unit whose post-backward hook never ran
                 trace.span_end("backward", handle.unit_name)
-            if handle.unsharded and handle.sharded:  # e.g. outputs unused by the loss
+            if handle.unsharded and not handle.always_full:  # e.g. outputs unused by the loss, a frozen unit
                 handle.reshard(_free_in_backward(state, handle))
             handle.secondary = None
             if handle.flat_param.requires_grad and state._sync_gradients:

@@ -48,7 +48,7 @@ import torch.nn as nn
 from . import comm
 from .options import StateDictConfig, StateDictType
 from .sharded_state import device_mesh, to_row_shard
-from .state_dict import clean_key, units_of
+from .state_dict import clean_fqn, clean_key, units_of
 
 
 @dataclass
@@ -147,14 +147,14 @@ def _param_index(model: nn.Module):
     """
     index = {}
     for h, prefix in _unit_prefixes(model):
-        fqns = [prefix + info.fqn for info in h.layout.params]
+        fqns = [clean_fqn(prefix + info.fqn) for info in h.layout.params]
         if h.use_orig_params:
             for i, p in enumerate(h.orig_params):
                 index[id(p)] = ("orig", h, i, fqns[i])
         else:
             index[id(h.flat_param)] = ("flat", h, None, fqns)
     for name, p in model.named_parameters():
-        index.setdefault(id(p), ("plain", None, None, clean_key(name)))
+        index.setdefault(id(p), ("plain", None, None, clean_fqn(name)))
     return index
 
 
@@ -213,7 +213,7 @@ def _gather_unit(h, prefix: str, optim, finish) -> dict[str, dict]:
         for i, names in s.items():
             for k, v in names.items():
                 merged.setdefault(i, {}).setdefault(k, v)
-    out = {prefix + h.layout.params[i].fqn: {} for i in sorted(merged)}
+    out = {clean_fqn(prefix + h.layout.params[i].fqn): {} for i in sorted(merged)}
     elem_names = sorted({k: v[1] for names in merged.values() for k, v in names.items() if v[0] == "elem"}.items())
     device = h.local_shard.device
     for name, dtype in elem_names:
@@ -225,13 +225,13 @@ def _gather_unit(h, prefix: str, optim, finish) -> dict[str, dict]:
                 # A copy, not a view of the gathered buffer: each state must
                 # own its memory (torch FSDP1 on CPU returns views of one
                 # buffer it reuses for every state name, see the tests).
-                out[prefix + info.fqn][name] = finish(full[info.offset : info.offset + info.numel].view(info.shape))
+                out[clean_fqn(prefix + info.fqn)][name] = finish(full[info.offset : info.offset + info.numel].view(info.shape))
     if finish is None:
         return {}
     for i, names in merged.items():
         for k, (kind, v) in names.items():
             if kind == "scalar":
-                out[prefix + h.layout.params[i].fqn][k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
+                out[clean_fqn(prefix + h.layout.params[i].fqn)][k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
     return {k: _ordered(v, h.use_orig_params) for k, v in out.items()}
 
 

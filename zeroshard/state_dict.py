@@ -59,6 +59,12 @@ def clean_key(key: str) -> str:
     return key.replace(WRAPPED_PREFIX, "")
 
 
+def clean_fqn(key: str) -> str:
+    """A parameter's name as torch FSDP1's optimizer state dicts give it (its
+    ``clean_tensor_name``): without FSDP's nor activation checkpointing's wrapper prefixes."""
+    return clean_key(key).replace("_checkpoint_wrapped_module.", "")
+
+
 def units_of(module: nn.Module, recurse: bool = True):
     """The FSDP units in ``module``'s tree; with ``recurse=False`` only ``module``
     itself if it is one (a plain module holding units gives none, as in torch)."""
