@@ -3,7 +3,8 @@ the sharded optimizer state dict holds DTensor rows of the FULL one; resuming
 from it is bit-exact; it reshards (4->2, 2->3, 3->1) with parameters and AdamW
 exp_avg / exp_avg_sq / step equal to the saved ones; torch FSDP1's sharded
 checkpoints and in-memory dicts cross both ways; hybrid sharding saves each
-row once and loads into FULL_SHARD and back."""
+row once and loads into FULL_SHARD and back; under LOCAL_STATE_DICT the
+optimizer state dict is torch FSDP1's ShardedTensor rows."""
 from __future__ import annotations
 
 import functools
@@ -240,3 +241,47 @@ def test_hybrid_checkpoint_loads_into_full_shard_and_back(ranks, tmp_path):
     saved = ranks.run(2, _save_trained, b, "gpt", False, "FULL_SHARD")[0]
     for got in ranks.run(4, _load_fresh, b, "gpt", True, "_HYBRID_SHARD_ZERO2", "tuple"):
         _assert_full_equal(saved, got)
+
+
+# ------------------------------------------------ LOCAL_STATE_DICT optimizer form
+def _assert_chunked_equal(ref, ours, where):
+    """torch FSDP1's LOCAL optimizer values: ShardedTensors of torch.chunk rows."""
+    if type(ref).__name__ != "ShardedTensor":
+        return _assert_same(ref, ours, where)
+    assert type(ours).__name__ == "ShardedTensor", where
+    a, b = ref.metadata(), ours.metadata()
+    assert a.size == b.size and a.tensor_properties.dtype == b.tensor_properties.dtype, where
+    assert [(m.shard_offsets, m.shard_sizes, str(m.placement)) for m in a.shards_metadata] \
+        == [(m.shard_offsets, m.shard_sizes, str(m.placement)) for m in b.shards_metadata], where
+    assert len(ref.local_shards()) == len(ours.local_shards()), where
+    for x, y in zip(ref.local_shards(), ours.local_shards()):
+        assert x.metadata.shard_offsets == y.metadata.shard_offsets and torch.equal(x.tensor, y.tensor), where
+
+
+def _local_optim_form(rank, world_size, use_orig_params, strategy):
+    """Under LOCAL_STATE_DICT the optimizer state dict is torch's sharded form:
+    the same keys and ShardedTensor rows as torch FSDP1's, and each engine's
+    dict loads into the other's optimizer as that optimizer's own state."""
+    (ref, ours), (opt_ref, opt_ours) = _models("gpt", use_orig_params, strategy, engines=("torch", "zeroshard"))
+    for step in range(3):
+        for m, o in ((ref, opt_ref), (ours, opt_ours)):
+            _step(m, o, "gpt", rank, step)
+    TFSDP, LOCAL = tfsdp.FullyShardedDataParallel, tfsdp.StateDictType.LOCAL_STATE_DICT
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with TFSDP.state_dict_type(ref, LOCAL), zs.FSDP.state_dict_type(ours, LOCAL):
+            osd_t, osd_z = TFSDP.optim_state_dict(ref, opt_ref), zs.FSDP.optim_state_dict(ours, opt_ours)
+            assert list(osd_t["state"]) == list(osd_z["state"]) and osd_t["param_groups"] == osd_z["param_groups"]
+            for fqn, st in osd_t["state"].items():
+                assert list(st) == list(osd_z["state"][fqn]), fqn
+                for k, v in st.items():
+                    _assert_chunked_equal(v, osd_z["state"][fqn][k], f"{fqn}.{k}")
+            _assert_local_equal(opt_ours.state_dict(), zs.FSDP.optim_state_dict_to_load(ours, opt_ours, osd_t))
+            _assert_local_equal(opt_ref.state_dict(), TFSDP.optim_state_dict_to_load(ref, opt_ref, osd_z))
+    return sum(type(v).__name__ == "ShardedTensor" for st in osd_z["state"].values() for v in st.values())
+
+
+@pytest.mark.parametrize("world_size,use_orig_params,strategy", [(3, False, "FULL_SHARD"), (3, True, "FULL_SHARD"),
+                                                                 (2, False, "NO_SHARD"), (2, True, "SHARD_GRAD_OP")])
+def test_local_optim_state_dict_is_torchs_sharded_form(ranks, world_size, use_orig_params, strategy):
+    assert all(n > 0 for n in ranks.run(world_size, _local_optim_form, use_orig_params, strategy))

@@ -63,7 +63,7 @@ def check_optim_input(model: nn.Module, optim_input, optim) -> None:
 
 def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group=None) -> dict:
     """The optimizer state dict as this rank's rows (DTensors), whatever the state dict type."""
-    return optim_state._optim_state_dict(model, optim, None, group, rank0_only=False, sharded=True)
+    return optim_state._optim_state_dict(model, optim, None, group, rank0_only=False, form="rows")
 
 
 def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module, optim_input=None, optim=None) -> dict:

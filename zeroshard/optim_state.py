@@ -21,6 +21,8 @@ shard holds no element of it). A checkpoint must not depend on that layout, so
     save and to reshard at another world size. Scalars (``step``) stay plain.
     torch FSDP1 returns ShardedTensors here on CPU (DTensors when given a
     device mesh); the chunks, keys and so the DCP checkpoints are the same.
+  - LOCAL_STATE_DICT: the same rows as torch FSDP1 gives them there,
+    ShardedTensors over each unit's process group.
 
 * ``optim_load.optim_state_dict_to_load`` cuts such a dict back into what
   ``optim.load_state_dict`` expects on this rank: the flattened and sharded
@@ -47,7 +49,7 @@ import torch.nn as nn
 
 from . import comm
 from .options import StateDictConfig, StateDictType
-from .sharded_state import device_mesh, to_row_shard
+from .sharded_state import device_mesh, to_chunk_sharded_tensor, to_row_shard
 from .state_dict import clean_fqn, clean_key, units_of
 
 
@@ -109,10 +111,12 @@ def state_dict_settings(module: nn.Module) -> StateDictSettings | None:
     return found
 
 
-def _settings(model: nn.Module) -> tuple[bool, bool]:
-    """(sharded, rank0_only) from what ``state_dict_type`` set on the model's
+def _settings(model: nn.Module) -> tuple[str, bool]:
+    """(form, rank0_only) from what ``state_dict_type`` set on the model's
     units. As in torch, the state dict type decides the form and the optim
-    config only adds options (so torch's config classes work here too)."""
+    config only adds options (so torch's config classes work here too).
+    Forms: "full"; "rows" (SHARDED: DTensors); "chunks" (LOCAL: torch FSDP1
+    gives the same rows there, as ShardedTensors over each unit's group)."""
     units = units_of(model)
     if not units:
         raise ValueError("zeroshard: the model has no FullyShardedDataParallel unit. Fix: pass the wrapped model.")
@@ -121,8 +125,8 @@ def _settings(model: nn.Module) -> tuple[bool, bool]:
         raise RuntimeError("zeroshard: LOCAL_STATE_DICT does not fit a model wrapped with device_mesh (torch FSDP1 "
                            "refuses it too). Fix: use SHARDED_STATE_DICT (DTensor shards) or FULL_STATE_DICT.")
     cfg = units[0].__dict__.get("_optim_state_dict_config")
-    sharded = kind == StateDictType.SHARDED_STATE_DICT
-    return sharded, not sharded and bool(getattr(cfg, "rank0_only", False))
+    form = {StateDictType.SHARDED_STATE_DICT: "rows", StateDictType.LOCAL_STATE_DICT: "chunks"}.get(kind, "full")
+    return form, form == "full" and bool(getattr(cfg, "rank0_only", False))
 
 
 def _is_rank0(group) -> bool:
@@ -268,32 +272,34 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
     ranks among which "rank 0" is meant (default: all); each unit gathers
     over its own process group.
     """
-    sharded, rank0_only = _settings(model)
-    return _optim_state_dict(model, optim, optim_state_dict, group, rank0_only, sharded)
+    form, rank0_only = _settings(model)
+    return _optim_state_dict(model, optim, optim_state_dict, group, rank0_only, form)
 
 
 def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_only: bool = True, group=None) -> dict:
     """torch's older API: the FULL optimizer state dict whatever the state dict
     type, by default on rank 0 only (``{}`` on the other ranks), as in torch."""
-    return _optim_state_dict(model, optim, None, group, rank0_only, sharded=False)
+    return _optim_state_dict(model, optim, None, group, rank0_only, "full")
 
 
-def _optim_state_dict(model, optim, osd, group, rank0_only: bool, sharded: bool) -> dict:
+def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> dict:
     osd = osd if osd is not None else optim.state_dict()
     index = _param_index(model)
     params = _optim_params(optim)
     keep = not rank0_only or _is_rank0(group)
-    if sharded:
+    if form == "rows":
         mesh = device_mesh(units_of(model)[0])
-        finish = lambda t: to_row_shard(t, mesh)  # noqa: E731
+        finish = lambda h: lambda t: to_row_shard(t, mesh)  # noqa: E731
+    elif form == "chunks":
+        finish = lambda h: lambda t: to_chunk_sharded_tensor(t, h.group)  # noqa: E731
     else:
-        finish = (lambda t: t.to("cpu", copy=True)) if keep else None  # noqa: E731
+        finish = lambda h: (lambda t: t.to("cpu", copy=True)) if keep else None  # noqa: E731
     per_unit: dict[int, dict[str, dict]] = {}
     # Every rank walks the units in the same order, so the collectives match.
     for h, prefix in _unit_prefixes(model):
         in_optim = [p for p in ([h.flat_param] if not h.use_orig_params else h.orig_params) if any(p is q for q in params)]
         if in_optim:
-            per_unit[id(h)] = _gather_unit(h, prefix, optim, finish)
+            per_unit[id(h)] = _gather_unit(h, prefix, optim, finish(h))
     if not keep:
         return {}
     plain = {}

@@ -73,6 +73,34 @@ def to_row_shard(full: torch.Tensor, mesh) -> DTensor:
     return DTensor.from_local(local, mesh, [*replicated, Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
 
 
+def to_chunk_sharded_tensor(full: torch.Tensor, group):
+    """This rank's ``torch.chunk`` rows of ``full`` as a ``ShardedTensor`` over
+    ``group``: torch FSDP1's non-DTensor sharded form, which its LOCAL_STATE_DICT
+    optimizer state dicts hold. Metadata is built locally (no communication);
+    a rank past the last chunk holds no shard. 0-dim tensors stay plain copies."""
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, ShardedTensorMetadata, TensorProperties
+
+    if full.dim() == 0:
+        return full.detach().clone()
+    n, rank = group.size(), dist.get_rank(group)
+    chunks = full.detach().chunk(n, dim=0)
+    rows = -(-full.shape[0] // n)
+    kind = full.device.type
+    per_node = 1 if kind == "cpu" else torch.get_device_module(kind).device_count()
+
+    def placement(i):  # torch's: global rank, and on accelerators the device index it would use
+        g = dist.get_global_rank(group, i)
+        return f"rank:{g}/cpu" if kind == "cpu" else f"rank:{g}/{kind}:{g % per_node}"
+
+    metas = [ShardMetadata([i * rows] + [0] * (full.dim() - 1), list(c.shape), placement(i)) for i, c in enumerate(chunks)]
+    local = [Shard(chunks[rank].clone(), metas[rank])] if rank < len(chunks) else []
+    props = TensorProperties(dtype=full.dtype, layout=full.layout, requires_grad=False,
+                             memory_format=torch.contiguous_format, pin_memory=False)
+    md = ShardedTensorMetadata(shards_metadata=metas, size=full.shape, tensor_properties=props)
+    return ShardedTensor._init_from_local_shards_and_global_metadata(local, md, process_group=group)
+
+
 def is_sharded(value) -> bool:
     """A DTensor or a ShardedTensor (torch FSDP1's SHARDED values on CPU)."""
     from torch.distributed.tensor import DTensor
