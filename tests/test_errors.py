@@ -44,6 +44,18 @@ def _shared_across_units():
     zs.FSDP(TinyGPT(), auto_wrap_policy=functools.partial(zs.wrap.lambda_auto_wrap_policy, lambda_fn=lambda m: m.__class__ is nn.Linear))
 
 
+class Aliased(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b1 = Block(4, 8)
+        self.b2 = self.b1  # one module under two names: the policy replaces only 'b1' by its unit
+
+
+def _policy_wraps_an_aliased_module():
+    # torch FSDP1 accepts this and fails at the first forward; zeroshard refuses at construction.
+    zs.FSDP(Aliased(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+
+
 def _auto_wrap_over_units():
     model = MLP()
     model.blocks[0] = zs.FSDP(model.blocks[0])
@@ -84,6 +96,8 @@ CASES = {
     "mixed_dtype": (_mixed_dtype, ValueError, ["a.weight", "b.weight", "torch.float64", "Fix"]),
     "mixed_requires_grad": (_mixed_requires_grad, ValueError, ["b.weight", "use_orig_params=True"]),
     "shared_across_units": (_shared_across_units, ValueError, ["tok.weight", "shared across two units", "Fix"]),
+    "policy_wraps_an_aliased_module": (_policy_wraps_an_aliased_module, ValueError,
+                                       ["module 'b2'", "registered under two names", "Fix"]),
     "auto_wrap_over_units": (_auto_wrap_over_units, ValueError, ["already an FSDP unit", "Fix"]),
     "meta_without_reset_parameters": (_meta_module, ValueError, ["reset_parameters()", "param_init_fn", "Fix"]),
     "no_sync_inner": (_no_sync_inner, RuntimeError, ["no_sync()", "root"]),

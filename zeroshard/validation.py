@@ -108,8 +108,16 @@ def watch_optimizers():
 def check_unowned(entries, unit: str):
     """No parameter may belong to two units (or be a FlatParameter already)."""
     for _, _, fqn, p in entries:
-        if isinstance(p, FlatParameter) or hasattr(p, "_zeroshard_unit"):
-            owner = getattr(p, "_zeroshard_unit", "another unit")
+        if isinstance(p, FlatParameter):  # the inner module of a unit, reached under a second name
+            where = fqn.rpartition(".")[0] or "the root module"
+            raise ValueError(
+                f"zeroshard: module '{where}' inside unit '{unit}' is already the module of another unit (it holds that "
+                "unit's FlatParameter): one module registered under two names, and the wrapping policy wrapped it under "
+                "the other name only. Fix: register the module once (call it twice in forward), wrap a common parent "
+                "instead, or leave the module out of auto_wrap_policy."
+            )
+        if hasattr(p, "_zeroshard_unit"):
+            owner = p._zeroshard_unit
             raise ValueError(
                 f"zeroshard: parameter '{fqn}' of unit '{unit}' is already managed by unit '{owner}' "
                 "(a parameter shared across two units, or a module wrapped twice). Fix: put every module that "
