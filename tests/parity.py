@@ -258,6 +258,15 @@ def wrapped_with_adamw(model_name, use_orig_params, strategy="FULL_SHARD", hybri
     return models, [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
 
 
+def trained_with_adamw(rank, model_name, use_orig_params, strategy="FULL_SHARD", steps=3, **kwargs):
+    """``wrapped_with_adamw``'s models after ``steps`` training steps each on this rank's batches."""
+    models, opts = wrapped_with_adamw(model_name, use_orig_params, strategy, **kwargs)
+    for step in range(steps):
+        for m, o in zip(models, opts):
+            train_step(m, o, model_name, rank, step)
+    return models, opts
+
+
 def train_step(model, opt, model_name, rank, step):
     """One forward/backward/AdamW step on this rank's batch for ``step``."""
     model(batch(model_name, rank, step)).float().pow(2).mean().backward()

@@ -16,6 +16,7 @@ import zeroshard as zs
 from models import build
 from parity import assert_same_value as _assert_same_value
 from parity import train_step as _step
+from parity import trained_with_adamw as _trained_pair
 from parity import wrapped_with_adamw as _engines
 from zeroshard import checkpoint, optim_load, optim_state
 from zeroshard.optim_state import FullOptimStateDictConfig
@@ -62,10 +63,7 @@ def _assert_local_equal(a, b):
 
 # ------------------------------------------------------------- optim state dicts
 def _osd_parity(rank, world_size, model_name, use_orig_params, strategy, ignored=()):
-    (ref, ours), (opt_ref, opt_ours) = _engines(model_name, use_orig_params, strategy, ignored=ignored)
-    for step in range(3):
-        for m, o in ((ref, opt_ref), (ours, opt_ours)):
-            _step(m, o, model_name, rank, step)
+    (ref, ours), (opt_ref, opt_ours) = _trained_pair(rank, model_name, use_orig_params, strategy, ignored=ignored)
     for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
         assert torch.equal(a, b), n  # trained bit-identically: the states must be equal too
     osd_ref = _torch_osd(ref, opt_ref)
@@ -145,10 +143,7 @@ def test_saving_between_steps_does_not_change_training(ranks, use_orig_params):
 
 def _cross_engine(rank, world_size, model_name, src_orig, dst_orig):
     """zeroshard's full optim state dict loads into torch FSDP1 and back."""
-    (ref, ours), (opt_ref, opt_ours) = _engines(model_name, src_orig)
-    for step in range(3):
-        for m, o in ((ref, opt_ref), (ours, opt_ours)):
-            _step(m, o, model_name, rank, step)
+    (ref, ours), (opt_ref, opt_ours) = _trained_pair(rank, model_name, src_orig)
     osd_ours, osd_ref = optim_state.optim_state_dict(ours, opt_ours), _torch_osd(ref, opt_ref)
     sd = ours.state_dict()
     # Fresh models of both engines in the destination layout; each loads the
@@ -182,10 +177,7 @@ def test_optim_state_dict_crosses_engines(ranks, src_orig, dst_orig):
 def _rank0_only(rank, world_size, use_orig_params):
     """FullOptimStateDictConfig(rank0_only=True): the full dict on rank 0
     only, {} elsewhere, as torch; loading reads rank 0's dict only."""
-    (ref, ours), (opt_ref, opt_ours) = _engines("mlp", use_orig_params)
-    for step in range(3):
-        for m, o in ((ref, opt_ref), (ours, opt_ours)):
-            _step(m, o, "mlp", rank, step)
+    (ref, ours), (opt_ref, opt_ours) = _trained_pair(rank, "mlp", use_orig_params)
     TFSDP, FULL = tfsdp.FullyShardedDataParallel, tfsdp.StateDictType.FULL_STATE_DICT
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

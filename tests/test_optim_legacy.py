@@ -15,6 +15,7 @@ import torch.distributed.fsdp as tfsdp
 import zeroshard as zs
 from models import build
 from parity import train_step as _step
+from parity import trained_with_adamw as _trained_pair
 from parity import wrapped_with_adamw as _engines
 from test_checkpoint import _assert_local_equal, _assert_osd_equal, _torch_osd
 
@@ -22,10 +23,7 @@ TF = tfsdp.FullyShardedDataParallel
 
 
 def _trained(rank, model_name, use_orig_params):
-    (ref, ours), (opt_ref, opt_ours) = _engines(model_name, use_orig_params)
-    for step in range(3):
-        for m, o in ((ref, opt_ref), (ours, opt_ours)):
-            _step(m, o, model_name, rank, step)
+    (ref, ours), (opt_ref, opt_ours) = _trained_pair(rank, model_name, use_orig_params)
     return ref, ours, opt_ref, opt_ours
 
 

@@ -17,6 +17,7 @@ import torch.distributed.fsdp as tfsdp
 import zeroshard as zs
 from parity import assert_same_value as _assert_same
 from parity import train_step as _step
+from parity import trained_with_adamw as _trained_pair
 from parity import wrapped_with_adamw
 from zeroshard import checkpoint, optim_state
 from zeroshard.optim_state import ShardedOptimStateDictConfig
@@ -168,10 +169,7 @@ def _torch_full(model, opt):
 def _interop_save(rank, world_size, path_torch, path_ours, use_orig_params, strategy):
     import torch.distributed.checkpoint as dcp
 
-    (ref, ours), (opt_ref, opt_ours) = _models("mlp", use_orig_params, strategy, engines=("torch", "zeroshard"))
-    for step in range(3):
-        for m, o in ((ref, opt_ref), (ours, opt_ours)):
-            _step(m, o, "mlp", rank, step)
+    (ref, ours), (opt_ref, opt_ours) = _trained_pair(rank, "mlp", use_orig_params, strategy)
     TFSDP = tfsdp.FullyShardedDataParallel
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -262,10 +260,7 @@ def _local_optim_form(rank, world_size, use_orig_params, strategy):
     """Under LOCAL_STATE_DICT the optimizer state dict is torch's sharded form:
     the same keys and ShardedTensor rows as torch FSDP1's, and each engine's
     dict loads into the other's optimizer as that optimizer's own state."""
-    (ref, ours), (opt_ref, opt_ours) = _models("gpt", use_orig_params, strategy, engines=("torch", "zeroshard"))
-    for step in range(3):
-        for m, o in ((ref, opt_ref), (ours, opt_ours)):
-            _step(m, o, "gpt", rank, step)
+    (ref, ours), (opt_ref, opt_ours) = _trained_pair(rank, "gpt", use_orig_params, strategy)
     TFSDP, LOCAL = tfsdp.FullyShardedDataParallel, tfsdp.StateDictType.LOCAL_STATE_DICT
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
