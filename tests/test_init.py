@@ -53,6 +53,44 @@ class Wide(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
 
 
+def _partly_meta_vs_torch(rank, world_size, real):
+    """A unit with some states on meta: torch FSDP1 re-creates and resets every
+    module of that unit, the real ones too; zeroshard does the same, so the
+    values and the random stream after wrapping are torch's."""
+    models, draws = [], []
+    for engine in ("torch", "zeroshard"):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = MLP(n_blocks=2)
+        if real == "inp":  # a real module in the root unit, its values set by hand
+            model.inp = nn.Linear(5, 7)
+            nn.init.constant_(model.inp.weight, 0.5)
+        else:  # every parameter real, only the root's buffer on meta
+            model = MLP(n_blocks=2)
+            model.scale = torch.empty(3, device="meta")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if engine == "torch":
+                models.append(tfsdp.FullyShardedDataParallel(model, device_id=torch.device("cpu"),
+                                                             auto_wrap_policy=TorchModuleWrapPolicy({Block})))
+            else:
+                models.append(zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block})))
+        draws.append(torch.rand(4))
+    ref, ours = models
+    assert torch.equal(*draws)
+    with tfsdp.FullyShardedDataParallel.summon_full_params(ref), zs.FSDP.summon_full_params(ours):
+        for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
+            assert torch.equal(a, b), n
+        assert not torch.equal(ours.inp.weight, torch.full_like(ours.inp.weight, 0.5))  # reset, as torch
+    assert torch.equal(ref.scale, ours.scale)
+    return True
+
+
+@pytest.mark.parametrize("real", ["inp", "all_but_a_buffer"])
+def test_partly_meta_unit_is_reset_whole_as_torch(ranks, real):
+    ranks.run(2, _partly_meta_vs_torch, real)
+
+
 def _meta_init_peak(rank, world_size):
     """8 x 1 MB layers built on meta and wrapped one unit per layer: each time
     a layer is materialized, count the unsharded parameter bytes alive in the
@@ -94,6 +132,27 @@ def _sync(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sync_module_states_takes_rank0_weights(ranks, world_size):
     assert all(ranks.run(world_size, _sync))
+
+
+def _sync_ignored(rank, world_size):
+    """torch FSDP1 broadcasts every not-yet-synced buffer under the unit, those of
+    ignored modules too, but no ignored parameter (torch refuses
+    sync_module_states on CPU, so the expectation is written out here)."""
+    model = build("mlp", seed=rank)
+    model.norm = nn.BatchNorm1d(7)
+    with torch.no_grad():
+        model.norm.running_mean.fill_(rank)
+        model.norm.weight.fill_(rank)
+    model = zs.FSDP(model, sync_module_states=True, ignored_states=[model.norm],
+                    auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    want = build("mlp", seed=0).state_dict()
+    got = model.state_dict()
+    return (all(torch.equal(got[k], want[k]) for k in want), model.norm.running_mean.tolist(), model.norm.weight[0].item())
+
+
+def test_sync_module_states_broadcasts_ignored_modules_buffers(ranks):
+    for rank, (same, mean, weight) in enumerate(ranks.run(2, _sync_ignored)):
+        assert same and mean == [0.0] * 7 and weight == rank
 
 
 def _offload_vs_plain(rank, world_size, use_orig_params):

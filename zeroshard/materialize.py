@@ -5,7 +5,8 @@
   units did so when they were wrapped, bottom-up), so no rank ever holds the
   whole unsharded model: ``param_init_fn(module)`` if given, else
   ``to_empty`` + ``reset_parameters()``, in torch FSDP1's breadth-first order
-  so that the random streams, and hence the values, match it.
+  so that the random streams, and hence the values, match it. As in torch,
+  one meta state makes the whole unit re-initialized, real modules included.
 * **sync_module_states**: rank 0's parameters and buffers are broadcast (one
   flat buffer, one collective per group) so ranks that initialized differently
   start identical.
@@ -49,24 +50,34 @@ def materialize(root: nn.Module, skip, device: torch.device, param_init_fn=None)
         for m in modules:
             param_init_fn(m)
         return
+    # As torch FSDP1: once any state of the unit is on meta, *every* module of
+    # the unit with states of its own is re-created and reset, real ones too
+    # (so the random stream, and the values, are torch's).
     for m in modules:
-        if not _has_meta_state(m):
+        if not any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False))):
             continue
         if not hasattr(m, "reset_parameters"):
-            raise ValueError(
-                f"zeroshard: {type(m).__name__} has meta-device parameters or buffers but no reset_parameters(). "
-                "Fix: give it a reset_parameters() method or pass param_init_fn=..."
-            )
+            what = "has meta-device parameters or buffers" if _has_meta_state(m) else (
+                "sits in a unit with meta-device states (as torch FSDP1, every module of such a unit is re-created "
+                "with to_empty + reset_parameters(), real ones too)")
+            raise ValueError(f"zeroshard: {type(m).__name__} {what} but has no reset_parameters(). "
+                             "Fix: give it a reset_parameters() method or pass param_init_fn=...")
         m.to_empty(device=device, recurse=False)
         m.reset_parameters()
 
 
 @torch.no_grad()
 def sync_module_states(root: nn.Module, skip, groups, ignored_params=frozenset()) -> None:
-    """Broadcast the unit's parameters (not ``ignored_params``) and buffers from the first rank of each group."""
+    """Broadcast the unit's parameters (not ``ignored_params``) and every
+    buffer under ``root`` not synced yet (ignored modules' too, as torch
+    FSDP1) from the first rank of each group."""
     tensors = []
     for m in unit_modules(root, skip):
-        tensors += [t for t in m.parameters(recurse=False) if t not in ignored_params] + list(m.buffers(recurse=False))
+        tensors += [t for t in m.parameters(recurse=False) if t not in ignored_params]
+    for b in root.buffers():  # nested units synced theirs when they were wrapped
+        if not getattr(b, "_zeroshard_synced", False):
+            b._zeroshard_synced = True
+            tensors.append(b)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
     for t in dict.fromkeys(tensors):  # tied tensors once
         by_dtype[t.dtype].append(t)
