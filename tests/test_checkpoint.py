@@ -141,6 +141,34 @@ def test_saving_between_steps_does_not_change_training(ranks, use_orig_params):
     assert all(ranks.run(2, _state_dict_between_steps, use_orig_params))
 
 
+def _adagrad_steps(rank, world_size):
+    """Adagrad makes its state at construction, also for a parameter this rank
+    holds no element of (use_orig_params): that state's ``step`` stays 0. The
+    saved ``step`` is the one of the ranks that hold the parameter, as torch's;
+    with lr_decay a wrong one changes training after a reload."""
+    (ref, ours), _ = _engines("mlp", True)
+    make = lambda m: torch.optim.Adagrad(m.parameters(), lr=0.1, lr_decay=0.5)  # noqa: E731
+    opt_ref, opt_ours = make(ref), make(ours)
+    assert any(p.numel() == 0 for p in ours.parameters())  # the case above exists on some rank
+    for step in range(2):
+        for m, o in ((ref, opt_ref), (ours, opt_ours)):
+            _step(m, o, "mlp", rank, step)
+    osd = optim_state.optim_state_dict(ours, opt_ours)
+    _assert_osd_equal(_torch_osd(ref, opt_ref), osd, key_order=False)
+    (again,), _ = _engines("mlp", True, engines=("zeroshard",))
+    opt_again = make(again)
+    again.load_state_dict(ours.state_dict())
+    opt_again.load_state_dict(optim_load.optim_state_dict_to_load(again, opt_again, osd))
+    for step in range(2, 4):
+        for m, o in ((ours, opt_ours), (again, opt_again)):
+            _step(m, o, "mlp", rank, step)
+    return all(torch.equal(a, b) for a, b in zip(ours.parameters(), again.parameters()))
+
+
+def test_adagrad_step_comes_from_the_ranks_holding_the_parameter(ranks):
+    assert all(ranks.run(2, _adagrad_steps))
+
+
 def _cross_engine(rank, world_size, model_name, src_orig, dst_orig):
     """zeroshard's full optim state dict loads into torch FSDP1 and back."""
     (ref, ours), (opt_ref, opt_ours) = _trained_pair(rank, model_name, src_orig)

@@ -186,11 +186,16 @@ def _ordered(state: dict, orig_params: bool) -> dict:
 
 
 def _local_spec(states: list[dict | None]) -> dict:
-    """What this rank knows of one unit's state: index -> {name: dtype | scalar}."""
+    """What this rank knows of one unit's state: index -> (empty, {name: dtype | scalar}).
+    ``empty``: its per-element states have no element here (e.g. Adagrad's
+    state of a parameter this rank holds none of, made at construction, whose
+    ``step`` never moved); as torch, such a rank's scalars are used only when
+    no other rank has the parameter's state."""
     spec = {}
     for i, st in enumerate(states):
         if st is not None:
-            spec[i] = {k: ("elem", v.dtype) if _is_elem(v) else ("scalar", v) for k, v in st.items()}
+            empty = any(_is_elem(v) and v.numel() == 0 for v in st.values())
+            spec[i] = (empty, {k: ("elem", v.dtype) if _is_elem(v) else ("scalar", v) for k, v in st.items()})
     return spec
 
 
@@ -213,10 +218,12 @@ def _gather_unit(h, prefix: str, optim, finish) -> dict[str, dict]:
     else:
         specs = [spec]
     merged: dict[int, dict] = {}
-    for s in specs:
-        for i, names in s.items():
-            for k, v in names.items():
-                merged.setdefault(i, {}).setdefault(k, v)
+    for empty_ones in (False, True):
+        for s in specs:
+            for i, (empty, names) in s.items():
+                if empty == empty_ones:
+                    for k, v in names.items():
+                        merged.setdefault(i, {}).setdefault(k, v)
     out = {clean_fqn(prefix + h.layout.params[i].fqn): {} for i in sorted(merged)}
     elem_names = sorted({k: v[1] for names in merged.values() for k, v in names.items() if v[0] == "elem"}.items())
     device = h.local_shard.device
