@@ -185,8 +185,8 @@ def _settings(rank, world_size):
             assert t.optim_state_dict_config.offload_to_cpu == z.optim_state_dict_config.offload_to_cpu
     before = zs.FSDP.get_state_dict_type(ours)
     for args in ((zs.ShardedStateDictConfig(),), (None, zs.ShardedOptimStateDictConfig())):
-        with pytest.raises(ValueError, match="set_state_dict_type.FULL_STATE_DICT. got a Sharded"):
-            zs.FSDP.set_state_dict_type(ours, zs.StateDictType.FULL_STATE_DICT, *args)  # torch refuses too
+        with pytest.raises(RuntimeError, match="set_state_dict_type.FULL_STATE_DICT. got a Sharded"):
+            zs.FSDP.set_state_dict_type(ours, zs.StateDictType.FULL_STATE_DICT, *args)  # torch: RuntimeError too
         assert zs.FSDP.get_state_dict_type(ours) == before
     cfg = zs.FullOptimStateDictConfig(rank0_only=True)
     with zs.FSDP.state_dict_type(ours, zs.StateDictType.FULL_STATE_DICT, None, cfg):
@@ -199,6 +199,16 @@ def _settings(rank, world_size):
         assert "different state dict settings" in str(e)
     else:
         raise AssertionError("units with different settings were not refused")
+    # set_state_dict_type checks only types and config classes, as torch's, and returns the first unit's settings.
+    zs.FSDP.set_state_dict_type(inner, zs.StateDictType.SHARDED_STATE_DICT)  # all units agree again
+    for model, lib in ((ref, tfsdp), (ours, zs)):
+        FS = lib.FullyShardedDataParallel
+        _quiet(FS.set_state_dict_type, model, lib.StateDictType.FULL_STATE_DICT)
+        _quiet(FS.set_state_dict_type, FS.fsdp_modules(model)[1], lib.StateDictType.FULL_STATE_DICT,
+               lib.FullStateDictConfig(offload_to_cpu=True))
+        prev = _quiet(FS.set_state_dict_type, model, lib.StateDictType.SHARDED_STATE_DICT)
+        assert prev.state_dict_type.name == "FULL_STATE_DICT" and not prev.state_dict_config.offload_to_cpu
+        assert FS.get_state_dict_type(model).state_dict_type.name == "SHARDED_STATE_DICT"
     assert ours.check_is_root() and ref.check_is_root()
     assert not inner.check_is_root() and not TF.fsdp_modules(ref)[1].check_is_root()
     return True

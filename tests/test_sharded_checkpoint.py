@@ -21,6 +21,7 @@ from parity import trained_with_adamw as _trained_pair
 from parity import wrapped_with_adamw
 from zeroshard import checkpoint, optim_state
 from zeroshard.optim_state import ShardedOptimStateDictConfig
+from zeroshard.sharded_state import is_sharded
 
 SHARDED = zs.StateDictType.SHARDED_STATE_DICT
 _models = functools.partial(wrapped_with_adamw, engines=("zeroshard",))
@@ -166,6 +167,45 @@ def _torch_full(model, opt):
             return model.state_dict(), tfsdp.FullyShardedDataParallel.optim_state_dict(model, opt)
 
 
+def _assert_same_forms(ref: dict, ours: dict):
+    """Same keys; each value row-sharded in both (torch's ShardedTensor, zeroshard's
+    DTensor) or plain in both, and then equal."""
+    assert list(ref) == list(ours), (list(ref), list(ours))
+    for k, v in ref.items():
+        assert is_sharded(v) == is_sharded(ours[k]), (k, type(v).__name__, type(ours[k]).__name__)
+        if not is_sharded(v):
+            _assert_same(v, ours[k], k)
+
+
+def _ignored_round_trip(rank, world_size, use_orig_params):
+    """Ignored parameters under SHARDED_STATE_DICT are this rank's own plain
+    values, as torch's: saving and loading back leaves them as they were on
+    each rank (they were cut into rows and mixed across ranks)."""
+    (ref, ours), _ = _trained_pair(rank, "mlp", use_orig_params, ignored=("blocks.1.l1.weight", "out.bias"))
+    for m in (ref, ours):
+        with torch.no_grad():
+            m.get_parameter(_fqn(m, "blocks.1.l1.weight")).add_(rank)  # ranks differ, as nothing syncs them
+    TFSDP = tfsdp.FullyShardedDataParallel
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with TFSDP.state_dict_type(ref, tfsdp.StateDictType.SHARDED_STATE_DICT), zs.FSDP.state_dict_type(ours, SHARDED):
+            sd_t, sd_z = ref.state_dict(), ours.state_dict()
+            _assert_same_forms(sd_t, sd_z)
+            before = sd_z["blocks.1.l1.weight"].clone()
+            ours.load_state_dict(sd_z)
+            assert torch.equal(ours.state_dict()["blocks.1.l1.weight"], before)
+    return True
+
+
+def _fqn(model, name):
+    return next(n for n, _ in model.named_parameters() if n.replace("_fsdp_wrapped_module.", "") == name)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_sharded_state_dict_keeps_ignored_parameters_local(ranks, use_orig_params):
+    assert all(ranks.run(2, _ignored_round_trip, use_orig_params))
+
+
 def _interop_save(rank, world_size, path_torch, path_ours, use_orig_params, strategy):
     import torch.distributed.checkpoint as dcp
 
@@ -175,10 +215,14 @@ def _interop_save(rank, world_size, path_torch, path_ours, use_orig_params, stra
         warnings.simplefilter("ignore")
         with TFSDP.state_dict_type(ref, tfsdp.StateDictType.SHARDED_STATE_DICT):
             sd_t, osd_t = ref.state_dict(), TFSDP.optim_state_dict(ref, opt_ref)
-            if strategy != "NO_SHARD":  # there torch gives plain full tensors (with use_orig_params), zeroshard DTensors
+            if strategy != "NO_SHARD":
                 assert type(next(iter(osd_t["state"].values()))["exp_avg"]).__name__ == "ShardedTensor"
             with zs.FSDP.state_dict_type(ours, SHARDED):
                 sd_z, osd_z = ours.state_dict(), zs.FSDP.optim_state_dict(ours, opt_ours)
+            # Rows where torch has rows, plain tensors where it has plain ones (NO_SHARD: full, as torch warns).
+            _assert_same_forms(sd_t, sd_z)
+            for fqn, st in osd_t["state"].items():
+                _assert_same_forms(st, osd_z["state"][fqn])
                 # In memory: each engine's sharded optimizer state dict loads into the other's optimizer.
                 _assert_local_equal(opt_ours.state_dict(), zs.FSDP.optim_state_dict_to_load(ours, opt_ours, osd_t))
                 _assert_local_equal(opt_ref.state_dict(), TFSDP.optim_state_dict_to_load(ref, opt_ref, osd_z))
@@ -209,7 +253,7 @@ def _interop_load(rank, world_size, path_torch, path_ours, use_orig_params, stra
 @pytest.mark.parametrize("use_orig_params", [False, True])
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
 def test_sharded_checkpoints_cross_with_torch_fsdp(ranks, tmp_path, use_orig_params, strategy):
-    """NO_SHARD too, where torch's SHARDED dicts hold plain tensors and zeroshard's DTensors."""
+    """NO_SHARD too, where both engines give full plain tensors (torch warns so), optimizer states too with use_orig_params."""
     paths = str(tmp_path / "torch"), str(tmp_path / "ours")
     saved = ranks.run(2, _interop_save, *paths, use_orig_params, strategy)[0]
     for ours, theirs in ranks.run(3, _interop_load, *paths, use_orig_params, strategy):  # and resharded 2 -> 3
@@ -277,6 +321,9 @@ def _local_optim_form(rank, world_size, use_orig_params, strategy):
 
 
 @pytest.mark.parametrize("world_size,use_orig_params,strategy", [(3, False, "FULL_SHARD"), (3, True, "FULL_SHARD"),
-                                                                 (2, False, "NO_SHARD"), (2, True, "SHARD_GRAD_OP")])
+                                                                 (2, False, "NO_SHARD"), (2, True, "SHARD_GRAD_OP"),
+                                                                 (2, True, "NO_SHARD")])
 def test_local_optim_state_dict_is_torchs_sharded_form(ranks, world_size, use_orig_params, strategy):
-    assert all(n > 0 for n in ranks.run(world_size, _local_optim_form, use_orig_params, strategy))
+    counts = ranks.run(world_size, _local_optim_form, use_orig_params, strategy)
+    # torch keeps a NO_SHARD unit's states plain with use_orig_params, rows otherwise
+    assert all(n == 0 if (strategy, use_orig_params) == ("NO_SHARD", True) else n > 0 for n in counts)

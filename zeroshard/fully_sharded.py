@@ -310,7 +310,7 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def set_state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
         """Set the state dict type of every unit in ``module``; returns the previous ``StateDictSettings``."""
-        previous = optim_state.state_dict_settings(module)
+        previous = optim_state.state_dict_settings(module, strict=False)
         sd.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
         return previous
 

@@ -25,9 +25,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .state_dict import FLAT_PARAM, WRAPPED_PREFIX, clean_key, plain_module_behaviour, summon_full_params
-
-_NO_SHARD_WARNING = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
+from .state_dict import FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, clean_key, plain_module_behaviour, summon_full_params
 
 
 def _layout(root, prefix: str):
@@ -78,7 +76,7 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     _refuse_mesh(root)
     sharded, no_shard = _layout(root, prefix)
     if no_shard:
-        warnings.warn(_NO_SHARD_WARNING, stacklevel=3)
+        warnings.warn(NO_SHARD_WARNING, stacklevel=3)
     offload = bool(getattr(root._state_dict_config, "offload_to_cpu", False))
     as_sharded_tensor = getattr(root, "_local_sharded_tensors", True)
 

@@ -94,17 +94,23 @@ _DEFAULT_OPTIM_CONFIG = {StateDictType.FULL_STATE_DICT: FullOptimStateDictConfig
                          StateDictType.SHARDED_STATE_DICT: ShardedOptimStateDictConfig}
 
 
-def state_dict_settings(module: nn.Module) -> StateDictSettings | None:
+def _kinds(s: StateDictSettings) -> tuple:
+    return s.state_dict_type, type(s.state_dict_config), type(s.optim_state_dict_config)
+
+
+def state_dict_settings(module: nn.Module, strict: bool = True) -> StateDictSettings | None:
     """The units' common settings (an unset optimizer config reads as the
     default for the type, as torch reports it); None without units. Raises if
-    the units disagree, since a state dict would then mix forms."""
+    the units disagree, since a state dict would then mix forms; with
+    ``strict=False`` (what torch's set_state_dict_type checks) only the types
+    and config classes must agree, and the first unit's settings are returned."""
     found = None
     for u in units_of(module):
         optim_cfg = u.__dict__.get("_optim_state_dict_config") or _DEFAULT_OPTIM_CONFIG[u._state_dict_type]()
         settings = StateDictSettings(u._state_dict_type, u._state_dict_config, optim_cfg)
         if found is None:
             found = settings
-        elif settings != found:
+        elif settings != found and (strict or _kinds(settings) != _kinds(found)):
             raise RuntimeError(f"zeroshard: the units of {type(module).__name__} have different state dict settings "
                                f"({found} and {settings}). Fix: set them for the whole model with "
                                "FSDP.set_state_dict_type(model, ...) on the root.")
@@ -294,13 +300,14 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> 
     index = _param_index(model)
     params = _optim_params(optim)
     keep = not rank0_only or _is_rank0(group)
+    copy = (lambda t: t.to("cpu", copy=True)) if keep else None  # noqa: E731
     if form == "rows":
         mesh = device_mesh(units_of(model)[0])
-        finish = lambda h: lambda t: to_row_shard(t, mesh)  # noqa: E731
+        rows = lambda h: lambda t: to_row_shard(t, mesh)  # noqa: E731
     elif form == "chunks":
-        finish = lambda h: lambda t: to_chunk_sharded_tensor(t, h.group)  # noqa: E731
-    else:
-        finish = lambda h: (lambda t: t.to("cpu", copy=True)) if keep else None  # noqa: E731
+        rows = lambda h: lambda t: to_chunk_sharded_tensor(t, h.group)  # noqa: E731
+    # torch FSDP1 gives a NO_SHARD unit's states full (plain) with use_orig_params, and as rows without.
+    finish = lambda h: copy if form == "full" or (not h.sharded and h.use_orig_params) else rows(h)  # noqa: E731
     per_unit: dict[int, dict[str, dict]] = {}
     # Every rank walks the units in the same order, so the collectives match.
     for h, prefix in _unit_prefixes(model):

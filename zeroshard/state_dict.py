@@ -10,9 +10,11 @@
   ``load_state_dict()`` copies a full state dict into the gathered parameters
   and writes it back into the shards.
 * LOCAL_STATE_DICT: each rank's flat shards, see ``local_state``.
-* SHARDED_STATE_DICT: the plain model's keys, each parameter a DTensor of
-  this rank's rows (see ``sharded_state``: ``Shard(0)`` over the process
-  group, replicated across replica groups under hybrid sharding). Saved with
+* SHARDED_STATE_DICT: the plain model's keys, each parameter of a sharded
+  unit a DTensor of this rank's rows (see ``sharded_state``: ``Shard(0)``
+  over the process group, replicated across replica groups under hybrid
+  sharding); as torch FSDP1, NO_SHARD units' parameters (with its warning),
+  ignored parameters and buffers stay plain tensors. Saved with
   ``torch.distributed.checkpoint``, which records every chunk's offsets, so a
   checkpoint loads at any world size. Trade-off: the rows are cut from the
   gathered full parameters (and loading all-gathers the rows back into full
@@ -36,6 +38,8 @@ from .sharded_state import device_mesh, from_row_shard, to_row_shard
 
 WRAPPED_PREFIX = "_fsdp_wrapped_module."
 FLAT_PARAM = "_flat_param"
+# torch FSDP1's words: LOCAL and SHARDED state dicts of NO_SHARD units hold full tensors.
+NO_SHARD_WARNING = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
 
 _passthrough = [0]  # >0 while nn.Module's own (un-FSDP'd) state_dict traversal runs
 
@@ -123,10 +127,11 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
 
 
 # ------------------------------------------------------------------ state dicts
-def _full_param_copies(root) -> dict[int, torch.Tensor]:
-    """id(registered full parameter) -> an independent copy, one batched
-    unflatten per unit (the C++ extension when built) instead of a clone each."""
-    copies = {}
+def _full_param_copies(root) -> tuple[dict[int, torch.Tensor], set[int]]:
+    """(id(registered full parameter) -> an independent copy, one batched
+    unflatten per unit (the C++ extension when built) instead of a clone each;
+    the ids of those whose unit shards them)."""
+    copies, sharded = {}, set()
     for u in units_of(root):
         h = u._handle
         if h is None:
@@ -140,7 +145,9 @@ def _full_param_copies(root) -> dict[int, torch.Tensor]:
                                "the state dict outside the block, or only on rank 0.")
         outs = ext.unflatten(h.flat_param.detach(), [i.offset for i in infos], [i.shape for i in infos])
         copies.update(zip(map(id, params), outs))
-    return copies
+        if h.sharded:
+            sharded.update(map(id, params))
+    return copies, sharded
 
 
 def _upcast_buffer_ids(root) -> set[int]:
@@ -167,17 +174,18 @@ def _buffer_value(v, keep_vars: bool, upcast: bool):
 
 
 def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = False):
-    """(FULL state dict, its parameter keys); ({}, set()) off rank 0 with rank0_only."""
+    """(FULL state dict, the keys of the parameters sharded units hold); ({},
+    set()) off rank 0 with rank0_only."""
     with summon_full_params(root, writeback=False, rank0_only=rank0_only, inside_summon=True):
         if rank0_only and root.rank != 0:
             return {}, set()
         with plain_module_behaviour():
             raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
             upcast = _upcast_buffer_ids(root)
-        copies = _full_param_copies(root)
+        copies, sharded = _full_param_copies(root)
         out = {clean_key(k): copies[id(v)] if id(v) in copies else _buffer_value(v, keep_vars, id(v) in upcast)
                for k, v in raw.items()}
-        return out, {clean_key(k) for k, v in raw.items() if isinstance(v, nn.Parameter)}
+        return out, {clean_key(k) for k, v in raw.items() if id(v) in sharded}
 
 
 def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
@@ -187,9 +195,13 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
         return _full_state_dict(root, prefix, keep_vars, rank0_only)[0]
     if kind == StateDictType.SHARDED_STATE_DICT:
         mesh = device_mesh(root)
-        full, param_keys = _full_state_dict(root, prefix, keep_vars)
-        # Buffers stay plain tensors: DCP saves them once, as replicated.
-        return {k: to_row_shard(v, mesh) if k in param_keys else v for k, v in full.items()}
+        full, row_keys = _full_state_dict(root, prefix, keep_vars)
+        if any(not u._handle.sharded for u in units_of(root) if u._handle is not None):
+            warnings.warn(NO_SHARD_WARNING, stacklevel=3)
+        # As torch FSDP1: rows only for parameters of sharded units; NO_SHARD
+        # units' parameters, ignored parameters (this rank's own values) and
+        # buffers stay plain tensors (DCP saves them once, as replicated).
+        return {k: to_row_shard(v, mesh) if k in row_keys else v for k, v in full.items()}
     raise ValueError(f"zeroshard: state_dict type {kind.name} is not supported. Fix: use FULL or SHARDED_STATE_DICT here (LOCAL: local_state).")
 
 
@@ -267,7 +279,7 @@ def set_state_dict_type(module, kind: StateDictType, config=None, optim_config=N
     for cfg, suffix in ((config, "StateDictConfig"), (optim_config, "OptimStateDictConfig")):
         # Matched by class name, so torch's config classes work as well as zeroshard's.
         if cfg is not None and prefix is not None and type(cfg).__name__ != prefix + suffix:
-            raise ValueError(f"zeroshard: set_state_dict_type({kind.name}) got a {type(cfg).__name__}. "
+            raise RuntimeError(f"zeroshard: set_state_dict_type({kind.name}) got a {type(cfg).__name__}. "
                              f"Fix: pass a {prefix}{suffix} (or None for the default).")
     previous = {}
     for u in units_of(module):
