@@ -112,16 +112,19 @@ def _no_sync_with_a_frozen_parameter(rank, world_size, strategy):
         model = lib.FullyShardedDataParallel(net, use_orig_params=True, **extra,
                                              sharding_strategy=getattr(lib.ShardingStrategy, strategy))
         torch.manual_seed(10 + rank)
-        xs = [torch.randn(4, 8) for _ in range(2)]
-        with model.no_sync():  # accumulates the unsharded gradient; the frozen weight's view is zeros
-            model(xs[0]).pow(2).sum().backward()
-        model(xs[1]).pow(2).sum().backward()
-        grads.append(_grads(model))
+        xs = [torch.randn(4, 8) for _ in range(4)]
+        seen = []
+        with model.no_sync():  # accumulates the unsharded gradient; the frozen weight's view is zeros,
+            for x in xs[:3]:  # with NO_SHARD dropped after each forward (so only the last micro-batch's shows)
+                model(x).pow(2).sum().backward()
+                seen += _grads(model)
+        model(xs[3]).pow(2).sum().backward()
+        grads.append(seen + _grads(model))
     _same(*grads, f"no_sync {strategy}")
     return True
 
 
-@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_no_sync_accumulation_with_a_frozen_parameter(ranks, strategy):
     assert all(ranks.run(2, _no_sync_with_a_frozen_parameter, strategy))
 

@@ -196,8 +196,10 @@ def post_forward(state, output):
         if not keep and torch.is_grad_enabled():
             handle.keep_secondary()  # hpZ: the backward gathers from it within the group
         handle.reshard(free=not keep)
-        # torch re-points the grads too, except for ZeRO-2 units computing with grad mode
-        if handle.use_orig_params and not recompute and not (torch.is_grad_enabled() and handle.strategy not in RESHARD_AFTER_FORWARD):
+        # torch re-points the grads too (NO_SHARD included: a frozen parameter's
+        # grad goes back to None), except for ZeRO-2 units computing with grad mode
+        zero2 = handle.sharded and handle.strategy not in RESHARD_AFTER_FORWARD
+        if handle.use_orig_params and not recompute and not (torch.is_grad_enabled() and zero2):
             handle.use_grad_views_after_forward()
         handle.state = HandleState.IDLE
     _register_pre_backward(state, output)
