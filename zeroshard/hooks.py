@@ -105,10 +105,20 @@ def _recover_from_interrupted_backward(rt):
 
 
 # ----------------------------------------------------------------- forward
+def _drop_unused_prefetches(rt):
+    """Free units a forward prefetch gathered but that did not run (skipped
+    this time). Left gathered, their next forward would reuse the copy even
+    after the optimizer changed the shard."""
+    for h in rt.handles:
+        if h.prefetched and h.unsharded:
+            h.reshard(free=True)
+
+
 def root_pre_forward(state):
     rt = state._runtime
     if rt.callback_queued:  # the last backward never reached its end: it raised
         _recover_from_interrupted_backward(rt)
+    _drop_unused_prefetches(rt)
     rt.post_forward_order.clear()
     buffers_for_mode(state, rt.states)
     for h in rt.handles:
@@ -202,6 +212,8 @@ def post_forward(state, output):
         if handle.use_orig_params and not recompute and not (torch.is_grad_enabled() and zero2):
             handle.use_grad_views_after_forward()
         handle.state = HandleState.IDLE
+    if state._is_root and not torch.is_grad_enabled():  # no backward will come to free them
+        _drop_unused_prefetches(state._runtime)
     _register_pre_backward(state, output)
     return output
 
