@@ -7,6 +7,7 @@ import os
 import signal
 
 import pytest
+import torch
 import torch.nn as nn
 
 import zeroshard as zs
@@ -48,3 +49,22 @@ def test_different_models_detected_at_construction():
         spawn(_different_models, 2, timeout=120, pg_timeout=20)
     msg = str(info.value)
     assert "different layout on different ranks" in msg and "b.weight" in msg and "Fix" in msg, msg
+
+
+def _different_settings(rank, world_size, which):
+    kwargs = {"mp": dict(mixed_precision=zs.MixedPrecision(param_dtype=(torch.bfloat16, torch.float16)[rank])),
+              "reduce": dict(mixed_precision=zs.MixedPrecision(reduce_dtype=(torch.bfloat16, torch.float16)[rank])),
+              "strategy": dict(sharding_strategy=(zs.ShardingStrategy.FULL_SHARD, zs.ShardingStrategy.NO_SHARD)[rank]),
+              "orig": dict(use_orig_params=rank == 1)}[which]
+    zs.FSDP(Other(wide=False), **kwargs)
+
+
+@pytest.mark.parametrize("which,name", [("mp", "param_dtype"), ("reduce", "reduce_dtype"),
+                                        ("strategy", "sharding_strategy"), ("orig", "use_orig_params")])
+def test_ranks_disagreeing_on_fsdp_arguments_detected_at_construction(which, name):
+    """Without the check, different mixed precision per rank trains on to wrong
+    (non-finite) values silently, and the other differences time out or abort."""
+    with pytest.raises(RuntimeError) as info:
+        spawn(_different_settings, 2, which, timeout=120, pg_timeout=20)
+    msg = str(info.value)
+    assert "different layout on different ranks" in msg and f"{name}=" in msg and "Fix" in msg, msg

@@ -71,7 +71,9 @@ class FlatParamHandle(OrigParams, FullParams):
         # views handed to the optimizer and kernels aligned; torch FSDP1 does too.
         align = 16 // self.compute_dtype.itemsize if use_orig_params else 0
         self.layout: FlatLayout = build_layout(entries, aliases, self.world_size, self.rank, align)
-        validation.check_same_layout(self.layout, dtype, group, unit_name)
+        validation.check_same_layout(self.layout, dtype, group, unit_name, dict(
+            sharding_strategy=strategy.name, use_orig_params=use_orig_params, param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype, keep_low_precision_grads=keep_low_precision_grads))
         flat = flatten_params(self.layout, params)
         self.local_shard = shard_of(flat, self.layout) if self.sharded else flat
         del flat

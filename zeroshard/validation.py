@@ -21,10 +21,14 @@ from . import comm
 from .flat_param import FlatLayout, FlatParameter
 
 
-def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str):
+def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings: dict | None = None):
     """Ranks that wrapped different models would all-gather mismatched
-    buffers (garbage or a hang); compare the layouts once, at construction."""
-    mine = (str(dtype), [(p.fqn, tuple(p.shape)) for p in layout.params])
+    buffers (garbage or a hang); compare the layouts once, at construction,
+    and the ``settings`` that must agree too (sharding strategy,
+    use_orig_params, mixed-precision dtypes: ranks disagreeing there train on
+    to silently wrong, even non-finite, values or time out)."""
+    mine = (str(dtype), [(p.fqn, tuple(p.shape)) for p in layout.params],
+            sorted((k, str(v)) for k, v in (settings or {}).items()))
     if group.size() == 1:
         return
     everyone = [None] * group.size()
@@ -38,6 +42,9 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str):
             continue
         if theirs[0] != mine[0]:
             diff = f"dtype {theirs[0]} on rank {r} vs {mine[0]} here"
+        elif theirs[2] != mine[2]:
+            (k, a), (_, b) = next((x, y) for x, y in zip(theirs[2], mine[2]) if x != y)
+            diff = f"{k}={a} on rank {r}, {k}={b} on rank {dist.get_rank()}"
         else:
             pairs = list(zip(theirs[1], mine[1]))
             i = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
@@ -46,7 +53,7 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str):
             diff = f"parameter #{i}: rank {r} has {a}, rank {dist.get_rank()} has {b}"
         raise ValueError(
             f"zeroshard: unit '{unit_name}' has a different layout on different ranks ({diff}). "
-            "Fix: build the same model, with the same wrap policy and ignored modules, on every rank."
+            "Fix: build the same model, with the same wrap policy, ignored modules and FSDP arguments, on every rank."
         )
 
 
