@@ -416,3 +416,28 @@ def test_full_load_strips_prefixes_with_a_warning_and_names_bad_shapes(ranks):
         assert "'module.'" in msgs[0] and "17 key(s)" in msgs[0] and "'module.scale'" in msgs[0]
         assert "'_fsdp_wrapped_module.scale'" in msgs[1]
         assert "'blocks.1.l1.weight'" in msgs[2] and "(3, 3)" in msgs[2] and "(13, 7)" in msgs[2]
+
+
+def _bad_on_one_rank(rank, world_size):
+    """Only rank 1's dict is misshapen: every rank raises and none loads (rank 0
+    loading alone left the shards a mix of old and new values)."""
+    model, _ = _zs_model("mlp", False)
+    before = model.state_dict()
+    new = {k: v + 1 for k, v in before.items()}
+    if rank == 1:
+        new["blocks.1.l1.weight"] = torch.zeros(3, 3)
+    try:
+        model.load_state_dict(new)
+    except RuntimeError as e:
+        msg = str(e)
+    else:
+        msg = None
+    after = model.state_dict()
+    return msg, all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_full_load_bad_on_one_rank_loads_nowhere(ranks):
+    (msg0, same0), (msg1, same1) = ranks.run(2, _bad_on_one_rank)
+    assert same0 and same1
+    assert msg0 is not None and "rank 1 cannot load" in msg0 and "'blocks.1.l1.weight'" in msg0, msg0
+    assert msg1 is not None and "(3, 3)" in msg1, msg1

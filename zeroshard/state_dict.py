@@ -29,6 +29,7 @@ import contextlib
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from . import ext
@@ -230,6 +231,24 @@ def _normalize_full(state_dict, current: dict) -> dict:
     return out
 
 
+def _raise_if_any_rank_failed(root, problem: Exception | None):
+    """Every rank learns whether any rank's state dict is unloadable before
+    one writes anything: a rank loading alone would leave the shards a mix of
+    old and new values on a model whose other ranks raised."""
+    found = problem
+    for group in (root.process_group, getattr(root, "_replicate_group", None)):
+        if group is not None and group.size() > 1:
+            everyone = [None] * group.size()
+            dist.all_gather_object(everyone, None if found is None else str(found), group=group)
+            if found is None:
+                r, msg = next(((r, m) for r, m in enumerate(everyone) if m is not None), (None, None))
+                if msg is not None:
+                    found = RuntimeError(f"zeroshard: load_state_dict: nothing was loaded: rank "
+                                         f"{dist.get_global_rank(group, r)} cannot load its state dict: {msg}")
+    if found is not None:
+        raise found
+
+
 def load(root, state_dict, strict: bool = True):
     kind = root._state_dict_type
     if kind == StateDictType.SHARDED_STATE_DICT:
@@ -241,7 +260,11 @@ def load(root, state_dict, strict: bool = True):
             with plain_module_behaviour():
                 current = nn.Module.state_dict(root, keep_vars=True)
             actual = {clean_key(k): k for k in current}
-            state_dict = _normalize_full(state_dict, {clean_key(k): v for k, v in current.items()})
+            try:
+                state_dict, problem = _normalize_full(state_dict, {clean_key(k): v for k, v in current.items()}), None
+            except RuntimeError as e:
+                problem = e
+            _raise_if_any_rank_failed(root, problem)
             result = nn.Module.load_state_dict(root, {actual.get(k, k): v for k, v in state_dict.items()}, strict=False)
         missing, unexpected = [clean_key(k) for k in result.missing_keys], [clean_key(k) for k in result.unexpected_keys]
         if strict and (missing or unexpected):  # nn.Module's error, with the plain model's names as torch FSDP1 gives
