@@ -32,6 +32,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 
+from .comm import first_problem
+
 
 def _tmp_prefix(path: str) -> str:
     return f".{os.path.basename(path)}."
@@ -300,11 +302,7 @@ def load_sharded(state: dict, path: str | os.PathLike, strict: bool = True) -> N
 
     path = os.path.abspath(os.fspath(path))
     _on_rank0(lambda: _recover(path), "load_sharded (recovering an interrupted save)")
-    problem = _describe_problem(state, path, strict)
-    if _distributed():
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        problem = next((p for p in problems if p is not None), None)
-    if problem is not None:
-        raise ValueError(problem)
+    found = first_problem(_describe_problem(state, path, strict), what="load_sharded: checking the checkpoint")
+    if found is not None:
+        raise ValueError(found[1])
     dcp.load(state, checkpoint_id=path, no_dist=not _distributed())

@@ -124,3 +124,16 @@ def all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op=dist.Redu
     world = dist.get_world_size(group)
     _record("all_reduce", tensor.numel(), tensor.element_size(), world, group, factor=2.0)
     return _issue("all_reduce", what, group, async_op, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
+
+
+def first_problem(problem, group=None, what: str = "checking the inputs"):
+    """(global rank, problem) of the first rank of ``group`` (default: all) whose
+    ``problem`` (any picklable value; None: no problem) is not None, or None:
+    every rank learns of any rank's problem before acting, so no rank goes
+    ahead alone (collective where distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return None if problem is None else (0, problem)
+    everyone = [None] * dist.get_world_size(group)
+    _issue("all_gather_object", what, group, False, lambda: dist.all_gather_object(everyone, problem, group=group))
+    r = next((r for r, p in enumerate(everyone) if p is not None), None)
+    return None if r is None else (r if group is None else dist.get_global_rank(group, r), everyone[r])

@@ -35,8 +35,12 @@ def unit_modules(root: nn.Module, skip) -> list[nn.Module]:
     return order
 
 
+def _own_states(module: nn.Module) -> tuple[torch.Tensor, ...]:
+    return (*module.parameters(recurse=False), *module.buffers(recurse=False))
+
+
 def _has_meta_state(module: nn.Module) -> bool:
-    return any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+    return any(t.is_meta for t in _own_states(module))
 
 
 @torch.no_grad()
@@ -54,7 +58,7 @@ def materialize(root: nn.Module, skip, device: torch.device, param_init_fn=None)
     # the unit with states of its own is re-created and reset, real ones too
     # (so the random stream, and the values, are torch's).
     for m in modules:
-        if not any(True for _ in (*m.parameters(recurse=False), *m.buffers(recurse=False))):
+        if not _own_states(m):
             continue
         if not hasattr(m, "reset_parameters"):
             what = "has meta-device parameters or buffers" if _has_meta_state(m) else (

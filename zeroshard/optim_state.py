@@ -300,14 +300,16 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> 
     index = _param_index(model)
     params = _optim_params(optim)
     keep = not rank0_only or _is_rank0(group)
-    copy = (lambda t: t.to("cpu", copy=True)) if keep else None  # noqa: E731
-    if form == "rows":
-        mesh = device_mesh(units_of(model)[0])
-        rows = lambda h: lambda t: to_row_shard(t, mesh)  # noqa: E731
-    elif form == "chunks":
-        rows = lambda h: lambda t: to_chunk_sharded_tensor(t, h.group)  # noqa: E731
-    # torch FSDP1 gives a NO_SHARD unit's states full (plain) with use_orig_params, and as rows without.
-    finish = lambda h: copy if form == "full" or (not h.sharded and h.use_orig_params) else rows(h)  # noqa: E731
+    mesh = device_mesh(units_of(model)[0]) if form == "rows" else None
+
+    def finish(h):  # what each full per-element state of unit ``h`` becomes (None: nothing, off rank 0)
+        # torch FSDP1 gives a NO_SHARD unit's states full (plain) with use_orig_params, and as rows without.
+        if form == "full" or (not h.sharded and h.use_orig_params):
+            return (lambda t: t.to("cpu", copy=True)) if keep else None
+        if form == "rows":
+            return lambda t: to_row_shard(t, mesh)
+        return lambda t: to_chunk_sharded_tensor(t, h.group)
+
     per_unit: dict[int, dict[str, dict]] = {}
     # Every rank walks the units in the same order, so the collectives match.
     for h, prefix in _unit_prefixes(model):

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import ext
+from . import comm, ext
 from .handle import HandleState
 from .options import FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig, StateDictType, as_member
 from .sharded_state import device_mesh, from_row_shard, to_row_shard
@@ -232,21 +232,19 @@ def _normalize_full(state_dict, current: dict) -> dict:
 
 
 def _raise_if_any_rank_failed(root, problem: Exception | None):
-    """Every rank learns whether any rank's state dict is unloadable before
-    one writes anything: a rank loading alone would leave the shards a mix of
-    old and new values on a model whose other ranks raised."""
-    found = problem
+    """Every rank of the root's groups learns whether any rank's state dict is
+    unloadable before one writes anything: a rank loading alone would leave
+    the shards a mix of old and new values on a model whose other ranks raised."""
+    found = None if problem is None else (dist.get_rank(), str(problem))  # (rank that found it, what)
     for group in (root.process_group, getattr(root, "_replicate_group", None)):
-        if group is not None and group.size() > 1:
-            everyone = [None] * group.size()
-            dist.all_gather_object(everyone, None if found is None else str(found), group=group)
-            if found is None:
-                r, msg = next(((r, m) for r, m in enumerate(everyone) if m is not None), (None, None))
-                if msg is not None:
-                    found = RuntimeError(f"zeroshard: load_state_dict: nothing was loaded: rank "
-                                         f"{dist.get_global_rank(group, r)} cannot load its state dict: {msg}")
+        if group is not None:
+            first = comm.first_problem(found, group, what="load_state_dict: checking the state dict")
+            found = None if first is None else first[1]
+    if problem is not None:
+        raise problem
     if found is not None:
-        raise found
+        raise RuntimeError(f"zeroshard: load_state_dict: nothing was loaded: rank {found[0]} cannot load its state "
+                           f"dict: {found[1]}")
 
 
 def load(root, state_dict, strict: bool = True):
