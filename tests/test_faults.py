@@ -228,6 +228,39 @@ def test_training_resumes_after_an_exception_caught_in_backward():
     assert all(spawn(_train_on_after_caught_backward_fault, 2, timeout=SPAWN_TIMEOUT, pg_timeout=20))
 
 
+# ------------------------------------------- 4b. a collective call on one rank only
+def _state_call_on_rank0_only(rank, world_size, flag_path, call):
+    """Rank 0 alone makes a collective state-dict or checkpoint call (the
+    classic ``if rank == 0: save(...)``); rank 1 lingers elsewhere."""
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    _step(model, opt, rank, 0)
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict()}  # on every rank, as it should be
+    if rank != 0:
+        _linger(flag_path)
+        return "lingered"
+    if call == "optim_state_dict":
+        _timed(lambda: zs.FSDP.optim_state_dict(model, opt), flag_path)
+    else:
+        _timed(lambda: checkpoint.save_sharded(state, os.path.join(os.path.dirname(flag_path), "ckpt")), flag_path)
+    return "finished"
+
+
+@pytest.mark.parametrize("call, waited_on", [
+    ("optim_state_dict", "all_gather_object for optim_state_dict (unit '<root> (MLP)': which ranks hold optimizer state)"),
+    ("save_sharded", "all_gather_object for save_sharded (comparing plain tensors across ranks)"),
+])
+def test_state_call_on_one_rank_only_times_out_naming_the_call(tmp_path, call, waited_on):
+    with pytest.raises(RuntimeError) as info:
+        spawn(_state_call_on_rank0_only, 2, str(tmp_path / "flag"), call, timeout=SPAWN_TIMEOUT, pg_timeout=PG_TIMEOUT)
+    msg = str(info.value)
+    assert "--- rank 1 ---" not in msg, msg
+    assert f"zeroshard.comm.CollectiveError: zeroshard: rank 0: {waited_on} timed out" in msg, msg
+    assert "did not make this call" in msg, msg  # the hint covers this fault
+    assert PG_TIMEOUT - 0.5 < _surfaced_after(msg) < PG_TIMEOUT + 5, msg
+
+
 # ------------------------------------------- 5. SIGKILL during checkpoint.save
 _NUMEL = 1_000_000  # x 5 tensors x 4 bytes = 20 MB per checkpoint
 

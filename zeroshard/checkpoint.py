@@ -32,7 +32,7 @@ import tempfile
 import torch
 import torch.distributed as dist
 
-from .comm import first_problem
+from . import comm
 
 
 def _tmp_prefix(path: str) -> str:
@@ -95,7 +95,7 @@ def _on_rank0(fn, what: str):
             error = e
     if _distributed():
         box = [(result, None if error is None else f"{type(error).__name__}: {error}")]
-        dist.broadcast_object_list(box, src=0)
+        comm.broadcast_objects(box, 0, what=what)
         result, message = box[0]
         if message is not None and error is None:
             raise RuntimeError(f"zeroshard: {what} failed on rank 0: {message}")
@@ -190,7 +190,7 @@ def save_sharded(state: dict, path: str | os.PathLike) -> None:
     if _distributed():
         # dcp.save already ends with rank 0 writing .metadata after every
         # rank reported its files; the barrier makes "all ranks finished" explicit.
-        dist.barrier()
+        comm.barrier(what="save_sharded (every rank's files written)")
     world = dist.get_world_size() if _distributed() else 1
     _on_rank0(lambda: _commit(tmp, path, world), "save_sharded (renaming the checkpoint into place)")
 
@@ -217,8 +217,7 @@ def _check_plain_tensors_agree(state: dict) -> None:
         if torch.is_tensor(v) and not is_sharded(v):
             data = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             mine[k] = (tuple(v.shape), str(v.dtype), hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest())
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    everyone = comm.gather_objects(mine, what="save_sharded (comparing plain tensors across ranks)")
     for k in sorted(set().union(*everyone)):
         seen = [(r, d[k]) for r, d in enumerate(everyone) if k in d]  # a key only one rank has is kept as it is
         if any(v != seen[0][1] for _, v in seen):
@@ -302,7 +301,7 @@ def load_sharded(state: dict, path: str | os.PathLike, strict: bool = True) -> N
 
     path = os.path.abspath(os.fspath(path))
     _on_rank0(lambda: _recover(path), "load_sharded (recovering an interrupted save)")
-    found = first_problem(_describe_problem(state, path, strict), what="load_sharded: checking the checkpoint")
+    found = comm.first_problem(_describe_problem(state, path, strict), what="load_sharded: checking the checkpoint")
     if found is not None:
         raise ValueError(found[1])
     dcp.load(state, checkpoint_id=path, no_dist=not _distributed())

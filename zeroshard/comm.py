@@ -78,8 +78,9 @@ def _fail(kind: str, what: str, group, err: BaseException):
     cause = "timed out (the process group's timeout)" if "timed out" in text or "timeout caused" in text else "failed"
     return CollectiveError(
         f"zeroshard: rank {rank}: {kind} for {what} {cause} on a group of {dist.get_world_size(group)} ranks: {err}\n"
-        "Likely causes: another rank died or raised, or ranks diverged (a different model or wrap policy, "
-        "or a different number of forward/backward calls on some rank). Fix that rank; the error there names its cause."
+        "Likely causes: another rank died or raised, did not make this call (state_dict, optim_state_dict and "
+        "checkpoint saves/loads are collective: every rank calls them), or ranks diverged (a different model or wrap "
+        "policy, or a different number of forward/backward calls on some rank). Fix that rank; the error there names its cause."
     )
 
 
@@ -126,6 +127,28 @@ def all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op=dist.Redu
     return _issue("all_reduce", what, group, async_op, lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op))
 
 
+def gather_objects(obj, group=None, what: str = "exchanging metadata") -> list:
+    """Every rank's picklable ``obj``, by group rank (``all_gather_object``,
+    named in the error if a rank never joins)."""
+    everyone = [None] * dist.get_world_size(group)
+    _issue("all_gather_object", what, group, False, lambda: dist.all_gather_object(everyone, obj, group=group))
+    return everyone
+
+
+def broadcast_objects(box: list, src: int, group=None, what: str = "exchanging metadata") -> None:
+    """``broadcast_object_list(box, src)`` in place (``src`` a global rank), named in the error."""
+    _issue("broadcast_object_list", what, group, False, lambda: dist.broadcast_object_list(box, src=src, group=group))
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, what: str = "parameters") -> None:
+    """``broadcast(tensor, src)`` in place (``src`` a global rank), named in the error."""
+    _issue("broadcast", what, group, False, lambda: dist.broadcast(tensor, src=src, group=group))
+
+
+def barrier(group=None, what: str = "waiting for every rank") -> None:
+    _issue("barrier", what, group, False, lambda: dist.barrier(group=group))
+
+
 def first_problem(problem, group=None, what: str = "checking the inputs"):
     """(global rank, problem) of the first rank of ``group`` (default: all) whose
     ``problem`` (any picklable value; None: no problem) is not None, or None:
@@ -133,7 +156,6 @@ def first_problem(problem, group=None, what: str = "checking the inputs"):
     ahead alone (collective where distributed)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
         return None if problem is None else (0, problem)
-    everyone = [None] * dist.get_world_size(group)
-    _issue("all_gather_object", what, group, False, lambda: dist.all_gather_object(everyone, problem, group=group))
+    everyone = gather_objects(problem, group, what)
     r = next((r for r, p in enumerate(everyone) if p is not None), None)
     return None if r is None else (r if group is None else dist.get_global_rank(group, r), everyone[r])

@@ -21,9 +21,8 @@ import contextlib
 import os
 import warnings
 
-import torch.distributed as dist
 
-from . import checkpoint
+from . import checkpoint, comm
 from .fully_sharded import FullyShardedDataParallel
 from .options import StateDictType
 
@@ -64,8 +63,7 @@ def optim_format(engine) -> str:
 def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
     """``Engine.save_checkpoint`` (collective)."""
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    tags = [None] * engine.world_size
-    dist.all_gather_object(tags, tag)
+    tags = comm.gather_objects(tag, what="save_checkpoint (comparing the tags)")
     if len(set(tags)) > 1:
         raise ValueError(f"zeroshard save_checkpoint: ranks passed different tags {tags}. Fix: pass the same tag on every rank.")
     path = os.path.join(os.fspath(save_dir), tag)
@@ -81,7 +79,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
         if optim_sd is not None:
             checkpoint.save({"optimizer": optim_sd, "format": optim_format(engine), "zero_stage": engine.stage},
                             os.path.join(path, OPTIM_FILE))
-    dist.barrier()  # every file is complete before 'latest' names the tag
+    comm.barrier(what="save_checkpoint (rank 0 writing the files)")  # every file is complete before 'latest' names the tag
     if save_latest and engine.global_rank == 0:
         tmp = os.path.join(os.fspath(save_dir), f".latest.{os.getpid()}.tmp")
         with open(tmp, "w") as f:
@@ -89,7 +87,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))  # atomic, like checkpoint.save
-    dist.barrier()
+    comm.barrier(what="save_checkpoint (rank 0 writing 'latest')")
     return True
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import ext
+from . import comm, ext
 
 
 def unit_modules(root: nn.Module, skip) -> list[nn.Module]:
@@ -93,5 +93,5 @@ def sync_module_states(root: nn.Module, skip, groups, ignored_params=frozenset()
         flat = ext.flatten([t.detach() for t in same], offsets, pos)
         for group in groups:
             if group is not None and group.size() > 1:
-                dist.broadcast(flat, src=dist.get_global_rank(group, 0), group=group)
+                comm.broadcast(flat, dist.get_global_rank(group, 0), group, "sync_module_states")
         ext.unflatten_into(flat, offsets, [t.data for t in same])

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import comm
 from .optim_state import _is_elem, _is_rank0, _optim_params, _param_index, _settings
 from .sharded_state import from_row_shard
 from .state_dict import units_of
@@ -75,7 +76,7 @@ class _Rank0States:
                          for fqn, st in osd["state"].items()}
                 layout = {"state": specs, "param_groups": osd["param_groups"]}
         box = [layout]
-        dist.broadcast_object_list(box, src=self.src, group=group)
+        comm.broadcast_objects(box, self.src, group, "optim_state_dict_to_load (rank 0's rank0_only dict layout)")
         if isinstance(box[0], str):  # raised on every rank, not only on rank 0 (the others would wait forever)
             raise ValueError(box[0])
         self.specs, self.param_groups = box[0]["state"], box[0]["param_groups"]
@@ -93,7 +94,7 @@ class _Rank0States:
                     t = self.full[fqn][k].to(self.device).contiguous()
                 else:
                     t = torch.empty(v.shape, dtype=v.dtype, device=self.device)
-                dist.broadcast(t, src=self.src, group=self.group)
+                comm.broadcast(t, self.src, self.group, f"optim_state_dict_to_load (rank 0's '{fqn}' {k})")
                 v = t
             out[k] = v
         return {k: out[k] for k in spec}

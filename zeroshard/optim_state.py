@@ -219,8 +219,7 @@ def _gather_unit(h, prefix: str, optim, finish) -> dict[str, dict]:
     # rank cannot know its dtype or step): exchange what each rank has.
     spec = _local_spec(states)
     if h.sharded and h.world_size > 1:
-        specs = [None] * h.world_size
-        dist.all_gather_object(specs, spec, group=h.group)
+        specs = comm.gather_objects(spec, h.group, f"optim_state_dict (unit '{h.unit_name}': which ranks hold optimizer state)")
     else:
         specs = [spec]
     merged: dict[int, dict] = {}

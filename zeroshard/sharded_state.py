@@ -48,8 +48,7 @@ def device_mesh(root):
     else:
         # Row i of the mesh is the shard group of the i-th rank of this
         # rank's replica group; only those ranks know it, so they tell.
-        rows = [None] * replicate.size()
-        dist.all_gather_object(rows, dist.get_process_group_ranks(shard), group=replicate)
+        rows = comm.gather_objects(dist.get_process_group_ranks(shard), replicate, "state dict (the HSDP device mesh)")
         mesh = DeviceMesh.from_group([replicate, shard], device, mesh=torch.tensor(rows), mesh_dim_names=("replicate", "shard"))
     root.__dict__["_zeroshard_mesh"] = mesh
     return mesh

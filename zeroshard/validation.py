@@ -31,12 +31,7 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings
             sorted((k, str(v)) for k, v in (settings or {}).items()))
     if group.size() == 1:
         return
-    everyone = [None] * group.size()
-    try:
-        dist.all_gather_object(everyone, mine, group=group)
-    except RuntimeError as e:
-        raise comm.CollectiveError(f"zeroshard: rank {dist.get_rank()}: comparing the layout of unit '{unit_name}' "
-                                   f"across ranks failed ({e}); ranks may be wrapping different models.") from e
+    everyone = comm.gather_objects(mine, group, f"construction (comparing unit '{unit_name}' across ranks)")
     for r, theirs in enumerate(everyone):
         if theirs == mine:
             continue
