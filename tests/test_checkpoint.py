@@ -388,6 +388,69 @@ def test_atomic_save_survives_sigkill(tmp_path):
     assert int(checkpoint.load(path)["version"]) == 99
 
 
+_BUSY_WRITER = """
+import sys, torch
+from zeroshard import checkpoint
+print("ready", flush=True)
+while True:  # a writer that is almost always inside a save
+    checkpoint.save({"w": torch.zeros(2_000_000)}, sys.argv[1])
+"""
+
+
+def test_save_leaves_a_concurrent_writers_temporary_alone(tmp_path):
+    """Two processes saving to one path (e.g. every rank saving a rank0_only
+    state dict): a save's cleanup of killed saves' temporaries must not delete
+    a live writer's, which would make that save fail after writing everything."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from zeroshard import checkpoint
+
+    path = tmp_path / "ckpt.pt"
+    proc = subprocess.Popen([sys.executable, "-c", _BUSY_WRITER, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        deadline, seen_live = time.monotonic() + 3.0, 0
+        while time.monotonic() < deadline and proc.poll() is None:
+            seen_live += any(p.name.endswith(".tmp") for p in tmp_path.iterdir())  # the writer is mid-save
+            checkpoint.save({"small": torch.ones(3)}, path)
+            time.sleep(0.01)
+        assert seen_live >= 10, seen_live  # this process's saves really ran beside the writer's
+        assert proc.poll() is None, proc.communicate()[1].decode()[-2000:]  # the writer never failed
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _every_rank_saves_rank0_only(rank, world_size, path):
+    from zeroshard import checkpoint
+
+    model, opt = _zs_model("mlp", False)
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.FULL_STATE_DICT, zs.FullStateDictConfig(rank0_only=True),
+                                 FullOptimStateDictConfig(rank0_only=True)):
+        state = {"model": model.state_dict(), "optim": zs.FSDP.optim_state_dict(model, opt), "step": 3}
+    try:
+        checkpoint.save(state, path)
+        outcome = "saved"
+    except ValueError as e:
+        outcome = str(e)
+    torch.distributed.barrier()
+    return outcome, sorted(checkpoint.load(path)["model"])
+
+
+def test_saving_a_rank0_only_state_dict_on_every_rank_is_refused_off_rank0(ranks, tmp_path):
+    """Rank 1's dict is empty; saved to rank 0's path it could replace rank 0's checkpoint."""
+    path = str(tmp_path / "full.pt")
+    (out0, keys0), (out1, keys1) = ranks.run(2, _every_rank_saves_rank0_only, path)
+    assert out0 == "saved"
+    assert out1.startswith("zeroshard: checkpoint.save: rank 1 is saving a state with no tensors and an empty dict"), out1
+    assert "Fix: save on rank 0 only" in out1, out1
+    assert keys0 == keys1 and len(keys0) > 0 and "blocks.0.l1.weight" in keys0, keys0
+
+
 # ------------------------------------------------- prefixed / misshapen FULL
 def _prefixed_and_misshapen(rank, world_size):
     model, _ = _zs_model("mlp", False)

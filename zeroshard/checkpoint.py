@@ -6,8 +6,9 @@ leaves neither the old nor the new checkpoint. :func:`save` writes a
 temporary file in the same directory (same filesystem, so the rename cannot
 become a copy), flushes it to disk, and ``os.replace``s it over ``path``:
 readers see the old file or the complete new one, never a prefix. A killed
-save can leave a stale ``.NAME.*.tmp`` file next to ``path``; the next save to
-``path`` removes it.
+save can leave a stale ``.NAME.HOST.PID.*.tmp`` file next to ``path``; the next
+save to ``path`` on that host removes it once that process is gone (never a
+live writer's: two ranks saving to one path must not delete each other's).
 
 Sharded (DCP) directories. ``torch.distributed.checkpoint.save`` writes one
 file per rank and then ``.metadata`` into the directory it is given; killed
@@ -27,6 +28,7 @@ import glob
 import json
 import os
 import shutil
+import socket
 import tempfile
 
 import torch
@@ -39,16 +41,74 @@ def _tmp_prefix(path: str) -> str:
     return f".{os.path.basename(path)}."
 
 
+def _writer_tag() -> str:
+    """Who writes a temporary file: host and pid, so that another save's
+    cleanup can tell a killed writer's leftover from a live writer's file."""
+    return f"{socket.gethostname()}.{os.getpid()}."
+
+
+def _is_stale(tmp_name: str, prefix: str) -> bool:
+    """A temporary file is stale when its writer on this host is gone. A live
+    writer's (another rank, process or thread saving to the same path right
+    now) and another host's are left alone: removing them would make that
+    save fail after writing everything, leaving whatever this one wrote."""
+    host, _, pid = tmp_name[len(prefix):-len(".tmp")].rpartition(".")[0].rpartition(".")
+    if not pid.isdigit():
+        return True  # untagged: written before writers were tagged
+    if host != socket.gethostname() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
+def _refuse_empty_on_other_ranks(obj, path: str) -> None:
+    """FULL state dicts and optimizer state dicts with ``rank0_only=True`` are
+    empty on ranks other than 0; saved there to rank 0's path, they would
+    replace its checkpoint with an empty one (whichever rename lands last)."""
+    if not (_distributed() and dist.get_world_size() > 1 and dist.get_rank() != 0):
+        return
+
+    def walk(x):  # (holds a tensor, holds an empty dict)
+        if torch.is_tensor(x):
+            return True, False
+        if isinstance(x, dict):
+            found = [walk(v) for v in x.values()]
+            return any(t for t, _ in found), not x or any(e for _, e in found)
+        if isinstance(x, (list, tuple)):
+            found = [walk(v) for v in x]
+            return any(t for t, _ in found), any(e for _, e in found)
+        return False, False
+
+    has_tensor, has_empty = walk(obj)
+    if isinstance(obj, dict) and has_empty and not has_tensor:
+        raise ValueError(
+            f"zeroshard: checkpoint.save: rank {dist.get_rank()} is saving a state with no tensors and an empty dict "
+            f"to '{path}'. With rank0_only=True (FullStateDictConfig, FullOptimStateDictConfig) only rank 0 holds the "
+            "state; saved here to the same path, this empty one could replace rank 0's checkpoint. "
+            "Fix: save on rank 0 only (`if dist.get_rank() == 0: checkpoint.save(...)`), or pass rank0_only=False.")
+
+
 def save(obj, path: str | os.PathLike) -> None:
-    """``torch.save(obj, path)``, atomically (on POSIX filesystems)."""
+    """``torch.save(obj, path)``, atomically (on POSIX filesystems).
+
+    Refused on a rank other than 0 when ``obj`` is a dict with no tensors and
+    an empty dict (a rank0_only state dict there): see ``_refuse_empty_on_other_ranks``.
+    """
     path = os.path.abspath(os.fspath(path))
-    directory = os.path.dirname(path)
-    for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(_tmp_prefix(path)) + "*.tmp")):
-        try:  # left by a killed save; nobody else writes these names
-            os.remove(stale)
-        except FileNotFoundError:
-            pass
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=_tmp_prefix(path), suffix=".tmp")
+    _refuse_empty_on_other_ranks(obj, path)
+    directory, prefix = os.path.dirname(path), _tmp_prefix(path)
+    for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*.tmp")):
+        if _is_stale(os.path.basename(stale), prefix):  # left by a killed save
+            try:
+                os.remove(stale)
+            except FileNotFoundError:
+                pass
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix + _writer_tag(), suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
