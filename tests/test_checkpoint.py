@@ -6,6 +6,7 @@ prefixed and misshapen FULL state dicts. (Sharded optimizer state and hybrid
 sharding: test_sharded_checkpoint.py; atomic DCP directories: test_dcp_atomic.py.)"""
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -386,6 +387,19 @@ def test_atomic_save_survives_sigkill(tmp_path):
     checkpoint.save({"version": torch.tensor(99)}, path)
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt.pt"]  # stale temporaries cleaned up
     assert int(checkpoint.load(path)["version"]) == 99
+
+
+def test_load_of_an_empty_or_truncated_file_names_it(tmp_path):
+    from zeroshard import checkpoint
+
+    path = tmp_path / "ckpt.pt"
+    checkpoint.save({"w": torch.randn(1000, 100)}, path)
+    os.truncate(path, os.path.getsize(path) // 2)  # e.g. an interrupted copy
+    with pytest.raises(RuntimeError, match=rf"checkpoint.load: '{path}' \(\d+ bytes\) is empty or truncated \(RuntimeError: "):
+        checkpoint.load(path)
+    open(path, "wb").close()
+    with pytest.raises(RuntimeError, match=rf"checkpoint.load: '{path}' \(0 bytes\) is empty or truncated \(EOFError"):
+        checkpoint.load(path)
 
 
 _BUSY_WRITER = """

@@ -264,3 +264,54 @@ def test_load_sharded_of_a_path_without_a_checkpoint(tmp_path):
     os.mkdir(tmp_path / ".ckpt.123.tmp")  # what a save killed before its rename leaves
     with pytest.raises(ValueError, match=r"holds no complete checkpoint \(no .metadata file\); an interrupted save left"):
         checkpoint.load_sharded({"w": torch.zeros(2)}, str(tmp_path / "ckpt"))
+
+
+def _save_plain(rank, world_size, path):
+    model, opt = _mlp()
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    checkpoint.save_sharded(_state_of(model, opt), path)
+
+
+def _load_damaged(rank, world_size, paths):
+    model, opt = _mlp()
+    model(torch.randn(4, 5)).sum().backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    messages = {}
+    for name, path in paths.items():
+        try:
+            checkpoint.load_sharded(_state_of(model, opt), path)
+        except (ValueError, RuntimeError) as e:  # not DCP's CheckpointException, a BaseException
+            messages[name] = f"{type(e).__name__}: {e}"
+    return messages, all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_load_sharded_of_damaged_files_names_the_checkpoint_on_every_rank(ranks, tmp_path):
+    """Files changed after the save completed: every rank raises a RuntimeError
+    or ValueError naming the checkpoint (DCP raises a CheckpointException, which
+    `except Exception` does not catch, naming neither path nor file for a
+    truncated one), and the model is untouched."""
+    import shutil
+
+    ranks.run(2, _save_plain, str(tmp_path / "good"))
+    paths = {}
+    for case in ("truncated data", "missing data", "truncated metadata"):
+        path = paths[case] = str(tmp_path / case.replace(" ", "_"))
+        shutil.copytree(tmp_path / "good", path)
+        data = os.path.join(path, "__1_0.distcp")
+        if case == "truncated data":
+            os.truncate(data, os.path.getsize(data) // 2)
+        elif case == "missing data":
+            os.remove(data)
+        else:
+            os.truncate(os.path.join(path, ".metadata"), 100)
+    results = ranks.run(2, _load_damaged, paths)
+    assert results[0][0] == results[1][0] and all(untouched for _, untouched in results)
+    m = results[0][0]
+    assert len(m) == 3, m
+    for case in ("truncated data", "missing data"):
+        assert m[case].startswith(f"RuntimeError: zeroshard: load_sharded: reading the checkpoint '{paths[case]}' failed (rank "), m[case]
+        assert "missing, truncated or corrupt" in m[case] and "Fix: load another checkpoint" in m[case], m[case]
+    assert "__1_0.distcp" in m["missing data"], m["missing data"]
+    assert m["truncated metadata"].startswith(f"ValueError: zeroshard: load_sharded: the checkpoint's .metadata in '{paths['truncated metadata']}' cannot be read"), m

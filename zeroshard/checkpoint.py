@@ -131,8 +131,18 @@ def _fsync_dir(path: str) -> None:
 
 
 def load(path: str | os.PathLike, map_location=None, weights_only: bool = True):
-    """``torch.load`` of a file written by :func:`save` (or by ``torch.save``)."""
-    return torch.load(os.fspath(path), map_location=map_location, weights_only=weights_only)
+    """``torch.load`` of a file written by :func:`save` (or by ``torch.save``);
+    an empty or truncated file raises a RuntimeError naming it."""
+    path = os.fspath(path)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=weights_only)
+    except (EOFError, RuntimeError) as e:
+        if not isinstance(e, EOFError) and "zip archive" not in str(e):
+            raise  # not the file's integrity (a map_location problem, ...)
+        raise RuntimeError(
+            f"zeroshard: checkpoint.load: '{path}' ({os.path.getsize(path)} bytes) is empty or truncated "
+            f"({type(e).__name__}: {e}). checkpoint.save never leaves a partial file at its path, so this one was "
+            "written or copied by something else, or cut short afterwards. Fix: load another checkpoint.") from e
 
 
 # ------------------------------------------------------- sharded (DCP) directories
@@ -306,7 +316,12 @@ def _describe_problem(state: dict, path: str, strict: bool) -> str | None:
         return (f"zeroshard: load_sharded: '{path}' holds no complete checkpoint (no .metadata file)"
                 + (f"; an interrupted save left {interrupted[0]}" if interrupted else "")
                 + ". Fix: pass the path given to save_sharded (or torch.distributed.checkpoint.save).")
-    saved = FileSystemReader(path).read_metadata()
+    try:
+        saved = FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - EOFError, UnpicklingError, ...: told to every rank
+        return (f"zeroshard: load_sharded: the checkpoint's .metadata in '{path}' cannot be read ({type(e).__name__}: "
+                f"{e}); it is truncated or corrupt, so it changed after its save completed (save_sharded only swaps "
+                "in complete checkpoints). Fix: load another checkpoint.")
     try:
         with open(os.path.join(path, SIDECAR)) as f:
             saved_world = json.load(f).get("world_size")
@@ -358,10 +373,19 @@ def load_sharded(state: dict, path: str | os.PathLike, strict: bool = True) -> N
     under the top-level entries of ``state`` must be in ``state``. The first
     problem found on any rank is raised on every rank."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = os.path.abspath(os.fspath(path))
     _on_rank0(lambda: _recover(path), "load_sharded (recovering an interrupted save)")
     found = comm.first_problem(_describe_problem(state, path, strict), what="load_sharded: checking the checkpoint")
     if found is not None:
         raise ValueError(found[1])
-    dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    try:
+        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    except CheckpointException as e:  # a BaseException: an `except Exception` would let it through
+        causes = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, (x, _) in sorted(e.failures.items()))
+        raise RuntimeError(
+            f"zeroshard: load_sharded: reading the checkpoint '{path}' failed ({causes}). A data file its .metadata "
+            "names is missing, truncated or corrupt: the directory changed after its save completed (save_sharded "
+            "only swaps in complete checkpoints). The state dict passed in may be partly overwritten; the model and "
+            "optimizer are not (their state dicts hold copies). Fix: load another checkpoint.") from e
