@@ -89,3 +89,37 @@ def test_no_sync_communicates_nothing_and_matches_torch(ranks, strategy, use_ori
                 if a is not None:
                     assert a.shape == b.shape and torch.equal(a, b), (
                         f"micro-step {step}, {name}: shape {tuple(a.shape)} vs torch {tuple(b.shape)}")
+
+
+def _step_inside_no_sync(rank, world_size, strategy, use_orig_params):
+    model = _build("zeroshard", strategy, use_orig_params)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, MLP_KW["d_in"], generator=torch.Generator().manual_seed(rank))
+    with model.no_sync():
+        model(x).pow(2).sum().backward()
+    try:
+        opt.step()  # forgot the synchronizing micro-batch
+        refused = None
+    except RuntimeError as e:
+        refused = str(e)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()  # discards the accumulated gradient: stepping is fine again
+    opt.step()
+    untouched = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with model.no_sync():
+        model(x).pow(2).sum().backward()
+    model(x).pow(2).sum().backward()  # the synchronizing backward
+    opt.step()
+    return refused, untouched
+
+
+@pytest.mark.parametrize("strategy, use_orig_params", [("FULL_SHARD", False), ("FULL_SHARD", True), ("SHARD_GRAD_OP", False)])
+def test_step_on_an_unreduced_no_sync_gradient_names_the_fix(ranks, strategy, use_orig_params):
+    """torch FSDP1 fails there with a bare size mismatch inside the optimizer
+    ('The size of tensor a (33) must match the size of tensor b (66)'); NO_SHARD
+    steps on the local gradient in both engines (its sizes agree)."""
+    for refused, untouched in ranks.run(2, _step_inside_no_sync, strategy, use_orig_params):
+        assert refused is not None and refused.startswith("zeroshard: SGD.step() on unit "), refused
+        assert "accumulated inside no_sync() and not yet reduced across ranks" in refused, refused
+        assert "Fix: run the last micro-batch's forward and backward outside no_sync()" in refused, refused
+        assert untouched

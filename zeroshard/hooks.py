@@ -34,7 +34,7 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.utils.rnn import PackedSequence
 
-from . import reduce, trace
+from . import reduce, trace, validation
 from .bucket import Bucketer
 from .handle import RESHARD_AFTER_FORWARD, HandleState
 from .mixed_precision import buffers_for_mode
@@ -312,6 +312,7 @@ def post_backward(state, flat_param):
     handle.reshard(_free_in_backward(state, handle))
     if state.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
         _prefetch(state, handle, _backward_target(state._runtime, handle))
+    validation.note_unreduced(handle, handle.sharded and not state._sync_gradients)
     if not state._sync_gradients:
         if handle.use_orig_params:
             handle.use_unsharded_grad_views()

@@ -2,7 +2,8 @@
 device, parameters no other unit owns, one dtype, one device, uniform
 requires_grad (without use_orig_params), and the same layout on every rank;
 and, at an optimizer's first step, that it was not built over parameters the
-FlatParameters replaced.
+FlatParameters replaced; at every step, that no sharded unit's gradient is
+still the unreduced, unsharded one ``no_sync`` accumulates.
 
 A FlatParameter is one tensor, so its parameters must agree on dtype and
 device; ranks whose layouts differ would all-gather mismatched buffers
@@ -11,6 +12,7 @@ device; ranks whose layouts differ would all-gather mismatched buffers
 from __future__ import annotations
 
 import warnings
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -82,7 +84,35 @@ def check_uniform(entries, use_orig_params: bool, unit_name: str):
             )
 
 
+_unreduced = weakref.WeakSet()  # sharded units whose gradient no_sync accumulated and no backward reduced yet
+
+
+def note_unreduced(handle, unreduced: bool) -> None:
+    (_unreduced.add if unreduced else _unreduced.discard)(handle)
+
+
+def _check_no_unreduced(optimizer):
+    """Inside ``no_sync`` a sharded unit's gradient stays full-size and
+    unreduced; a step then fails on a size mismatch deep in the optimizer
+    (torch FSDP1 too). Name the unit and the fix instead."""
+    mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for h in list(_unreduced):
+        params = h.orig_params if h.use_orig_params else [h.flat_param]
+        if all(p.grad is None for p in params):
+            _unreduced.discard(h)  # discarded (zero_grad)
+            continue
+        bad = next((p for p in params if id(p) in mine and p.grad is not None and p.grad.shape != p.shape), None)
+        if bad is not None:
+            raise RuntimeError(
+                f"zeroshard: {type(optimizer).__name__}.step() on unit '{h.unit_name}', whose gradient was accumulated "
+                f"inside no_sync() and not yet reduced across ranks (gradient shape {tuple(bad.grad.shape)}, parameter "
+                f"shape {tuple(bad.shape)}). Fix: run the last micro-batch's forward and backward outside no_sync() "
+                "(that backward reduce-scatters the accumulated gradient) before stepping, or zero_grad() to discard it.")
+
+
 def _check_optimizer_params(optimizer, args, kwargs):
+    if _unreduced:
+        _check_no_unreduced(optimizer)
     if getattr(optimizer, "_zeroshard_checked", False):
         return
     for group in optimizer.param_groups:
