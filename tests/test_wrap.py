@@ -227,3 +227,42 @@ def test_fp32_hooks_keep_container_types():
     (pair, out) = m(torch.ones(2, dtype=torch.bfloat16))
     assert type(pair) is Pair and type(pair.b) is collections.OrderedDict and type(out) is Out and out.n == 1
     assert pair.a.dtype == pair.b["z"].dtype == out.y.dtype == torch.bfloat16  # and back down
+
+
+def _double_wrapped(rank, world_size, use_orig_params):
+    from parity import assert_same_value, train_step
+
+    base = build("mlp")
+    models = []
+    for cls, extra in ((tfsdp.FullyShardedDataParallel, {"device_id": torch.device("cpu")}), (zs.FSDP, {})):
+        policy = (twrap if cls is tfsdp.FullyShardedDataParallel else zs.wrap).ModuleWrapPolicy({Block})
+        inner = cls(copy.deepcopy(base), auto_wrap_policy=policy, use_orig_params=use_orig_params, **extra)
+        models.append(cls(inner, use_orig_params=use_orig_params, **extra))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    for step in range(3):
+        for m, o in zip(models, opts):
+            train_step(m, o, "mlp", rank, step)
+    ref, ours = models
+    assert [n for n, _ in ref.named_parameters()] == [n for n, _ in ours.named_parameters()]
+    for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
+        assert_same_value(a, b, n)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sds = [m.state_dict() for m in models]
+        # offload_to_cpu=False: torch's default (True) on CPU returns exp_avg equal to exp_avg_sq with use_orig_params
+        with tfsdp.FullyShardedDataParallel.state_dict_type(ref, tfsdp.StateDictType.FULL_STATE_DICT, None,
+                                                            tfsdp.FullOptimStateDictConfig(offload_to_cpu=False)):
+            osds = [tfsdp.FullyShardedDataParallel.optim_state_dict(ref, opts[0]), zs.FSDP.optim_state_dict(ours, opts[1])]
+    assert list(sds[0]) == list(sds[1]) and list(osds[0]["state"]) == list(osds[1]["state"])
+    for k in sds[0]:
+        assert_same_value(sds[0][k], sds[1][k], k)
+    for k in osds[0]["state"]:
+        for name in osds[0]["state"][k]:
+            assert_same_value(osds[0]["state"][k][name], osds[1]["state"][k][name], (k, name))
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_wrapping_a_unit_again_matches_torch(ranks, use_orig_params):
+    """FSDP(FSDP(model)): torch allows it; the outer unit owns no parameter."""
+    assert ranks.run(2, _double_wrapped, use_orig_params) == [True, True]

@@ -74,11 +74,6 @@ class FullyShardedDataParallel(nn.Module):
         backward_prefetch = as_member(backward_prefetch, BackwardPrefetch, "backward_prefetch")
         strategy = sharding_strategy or (ShardingStrategy.HYBRID_SHARD if fsdp_group_size else ShardingStrategy.FULL_SHARD)
         ignored_modules, ignored_params = validation.split_ignored(ignored_modules, ignored_states, module)
-        if isinstance(module, FullyShardedDataParallel):
-            raise ValueError(
-                "zeroshard: the module is already a FullyShardedDataParallel unit; wrapping it again would "
-                "shard its FlatParameter twice. Fix: wrap the inner module once (pass the original module)."
-            )
         if process_group is None and device_mesh is None and (not dist.is_available() or not dist.is_initialized()):
             raise RuntimeError(
                 "zeroshard: FullyShardedDataParallel needs a process group, but torch.distributed is not "
@@ -138,7 +133,9 @@ class FullyShardedDataParallel(nn.Module):
         if sync_module_states:
             materialize.sync_module_states(module, outside_unit, [shard_group, replicate_group], ignored_params)
         nested = {m for m in module.modules() if _is_unit(m)}
-        entries, aliases = collect_params(module, skip=nested | ignored, ignored_params=kept_out(ignored, ignored_params))
+        # FSDP(FSDP(m)), as torch allows: the outer unit owns nothing.
+        entries, aliases = ([], []) if _is_unit(module) else collect_params(
+            module, skip=nested | ignored, ignored_params=kept_out(ignored, ignored_params))
         validation.check_unowned(entries, type(module).__name__)
         self._handle = None
         if entries:
