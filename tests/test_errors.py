@@ -28,8 +28,15 @@ class HalfFrozen(nn.Module):
         self.b.weight.requires_grad_(False)
 
 
-def _double_wrap():
-    zs.FSDP(zs.FSDP(MLP()))
+class WithScalar(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(3, 3)
+        self.s = nn.Parameter(torch.tensor(1.0))
+
+
+def _scalar_parameter():
+    zs.FSDP(WithScalar())  # torch FSDP1 refuses it too ("FSDP doesn't support scalar parameters")
 
 
 def _mixed_dtype():
@@ -92,7 +99,7 @@ def _device_id_without_cuda():
 
 
 CASES = {
-    "double_wrap": (_double_wrap, ValueError, ["already a FullyShardedDataParallel", "Fix"]),
+    "scalar_parameter": (_scalar_parameter, ValueError, ["scalar (0-dim) parameter 's'", "Fix"]),
     "mixed_dtype": (_mixed_dtype, ValueError, ["a.weight", "b.weight", "torch.float64", "Fix"]),
     "mixed_requires_grad": (_mixed_requires_grad, ValueError, ["b.weight", "use_orig_params=True"]),
     "shared_across_units": (_shared_across_units, ValueError, ["tok.weight", "shared across two units", "Fix"]),

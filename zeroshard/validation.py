@@ -55,6 +55,12 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings
 
 
 def check_uniform(entries, use_orig_params: bool, unit_name: str):
+    for _, _, fqn, p in entries:
+        if p.dim() == 0:  # torch FSDP1 refuses them too (its optimizer-state mapping assumes >= 1 dim)
+            raise ValueError(
+                f"zeroshard: unit '{unit_name}' has the scalar (0-dim) parameter '{fqn}'; FSDP does not support "
+                "scalar parameters. Fix: make it a 1-D tensor with one element (nn.Parameter(torch.tensor([v]))), "
+                "or keep it out of sharding with ignored_states.")
     first_name, first = entries[0][2], entries[0][3]
     warned = False
     for _, _, fqn, p in entries[1:]:
