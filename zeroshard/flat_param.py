@@ -14,6 +14,9 @@ shards, gradients and optimizer states line up element for element:
   into the buffer and the optimizer must be able to step them in place.
 * With ``use_orig_params=False`` there is no alignment padding; only the last
   shard is padded (see :class:`FlatLayout`).
+* A parameter stored in a permuted order (a transposed matrix, a channels_last
+  convolution weight) is flattened in its memory order and its views keep its
+  strides (``as_strided``), so kernels see the layout they would see unwrapped.
 
 Rank r keeps the r-th contiguous chunk of ``ceil(numel / N)`` elements.
 """
@@ -37,6 +40,19 @@ class ParamInfo:
     shape: torch.Size
     offset: int  # first element in the unsharded flat buffer
     numel: int
+    stride: tuple | None = None  # a permuted-dense parameter's stride (transposed, channels_last); None: contiguous
+
+    def unflat(self, segment: torch.Tensor) -> torch.Tensor:
+        """The parameter's view of its 1-D ``segment`` of a flat buffer, with its own memory layout."""
+        return segment.view(self.shape) if self.stride is None else segment.as_strided(self.shape, self.stride)
+
+    def flat_of(self, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (this parameter's shape) as the 1-D segment its flat buffer holds."""
+        if self.stride is None:
+            return value.reshape(-1)
+        segment = value.new_empty(self.numel)
+        self.unflat(segment).copy_(value)
+        return segment
 
 
 @dataclass(frozen=True)
@@ -140,7 +156,7 @@ def build_layout(entries, aliases, world_size: int, rank: int, align_numel: int)
     for module, name, fqn, param in entries:
         if align_numel and pos % align_numel:
             pos += align_numel - pos % align_numel
-        params.append(ParamInfo(module, name, fqn, param.shape, pos, param.numel()))
+        params.append(ParamInfo(module, name, fqn, param.shape, pos, param.numel(), dense_stride(param)))
         pos += param.numel()
     if align_numel and pos % world_size:
         pos += world_size - pos % world_size
@@ -148,9 +164,25 @@ def build_layout(entries, aliases, world_size: int, rank: int, align_numel: int)
     return FlatLayout(params, shared, pos, world_size, rank)
 
 
+def dense_stride(t: torch.Tensor) -> tuple | None:
+    """``t``'s strides when it is dense but not contiguous (a permutation of a
+    contiguous layout), else None: a contiguous tensor, or one with gaps or
+    overlaps, whose values are then laid out (and viewed) in logical order."""
+    if t.dim() == 0 or (t.is_contiguous() and t.stride(-1) == 1):
+        return None
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s != 1):
+        if stride != expected:
+            return None
+        expected *= size
+    return tuple(t.stride())
+
+
 def flatten_params(layout: FlatLayout, tensors) -> torch.Tensor:
-    """The unsharded flat buffer holding ``tensors`` at their offsets, zeros between."""
-    return ext.flatten([t.detach() for t in tensors], [p.offset for p in layout.params], layout.numel)
+    """The unsharded flat buffer holding ``tensors`` at their offsets, zeros between
+    (each in its memory order: see ``dense_stride``)."""
+    flat = [t.detach() if p.stride is None else t.detach().as_strided((p.numel,), (1,)) for p, t in zip(layout.params, tensors)]
+    return ext.flatten(flat, [p.offset for p in layout.params], layout.numel)
 
 
 def shard_of(flat: torch.Tensor, layout: FlatLayout) -> torch.Tensor:

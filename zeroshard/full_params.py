@@ -34,7 +34,7 @@ class FullParams:
         if not self.always_full:
             self.wait_unshard(full_precision=True)
         flat = self.flat_param.detach()
-        views = [flat[p.offset : p.offset + p.numel].view(p.shape) for p in self.layout.params]
+        views = [p.unflat(flat[p.offset : p.offset + p.numel]) for p in self.layout.params]
         if self.use_orig_params:
             params = self.orig_params
             for p, view in zip(params, views):
@@ -67,7 +67,7 @@ class FullParams:
             return None
         for p, info in zip(params, self.layout.params):
             p.grad = None
-            p.grad = g[info.offset : info.offset + info.numel].view(info.shape)
+            p.grad = info.unflat(g[info.offset : info.offset + info.numel])
         return g
 
     def exit_full_params(self, writeback: bool, undo: dict):

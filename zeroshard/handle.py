@@ -195,7 +195,7 @@ class FlatParamHandle(OrigParams, FullParams):
         freed = storage.nbytes() == 0  # else gathered and kept (a root between forward and backward)
         if freed:
             storage.resize_(full.numel() * full.element_size())  # views need the storage's size
-        views = [full[p.offset : p.offset + p.numel].view(p.shape) for p in self.layout.params]
+        views = [p.unflat(full[p.offset : p.offset + p.numel]) for p in self.layout.params]
         if freed:
             storage.resize_(0)
         for view, info in zip(views, self.layout.params):
@@ -276,7 +276,7 @@ class FlatParamHandle(OrigParams, FullParams):
         # the pre-backward's views) would then send no gradient to the unit.
         with torch.enable_grad():
             chunks = torch.split(self.flat_param, self.layout.split_sizes)
-            views = [chunks[2 * i + 1].view(p.shape) for i, p in enumerate(self.layout.params)]
+            views = [p.unflat(chunks[2 * i + 1]) for i, p in enumerate(self.layout.params)]
         for view, info in zip(views, self.layout.params):
             _set_tensor(info.module, info.name, view, self.use_orig_params)
         for info in self.layout.shared:

@@ -211,7 +211,7 @@ def _flatten_shard(h, fqns: list[str], full: dict) -> dict | None:
             _check_shape(v, info, name, fqn)
             lo, hi = max(info.offset, start), min(info.offset + info.numel, end)
             if lo < hi:
-                shard[lo - start : hi - start].copy_(v.reshape(-1)[lo - info.offset : hi - info.offset])
+                shard[lo - start : hi - start].copy_(info.flat_of(v)[lo - info.offset : hi - info.offset])
         out[name] = shard
     return out
 
@@ -233,7 +233,7 @@ def _orig_shard(h, i: int, st: dict | None) -> dict | None:
         if not h.sharded:
             out[name] = v.reshape(info.shape).to(h.local_shard.device, copy=True)
         else:
-            out[name] = v.reshape(-1)[sl.offset_in_param : sl.offset_in_param + sl.numel_in_shard].to(h.local_shard.device, copy=True)
+            out[name] = info.flat_of(v)[sl.offset_in_param : sl.offset_in_param + sl.numel_in_shard].to(h.local_shard.device, copy=True)
     return out
 
 

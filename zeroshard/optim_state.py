@@ -241,7 +241,7 @@ def _gather_unit(h, prefix: str, optim, finish) -> dict[str, dict]:
                 # A copy, not a view of the gathered buffer: each state must
                 # own its memory (torch FSDP1 on CPU returns views of one
                 # buffer it reuses for every state name, see the tests).
-                out[clean_fqn(prefix + info.fqn)][name] = finish(full[info.offset : info.offset + info.numel].view(info.shape))
+                out[clean_fqn(prefix + info.fqn)][name] = finish(info.unflat(full[info.offset : info.offset + info.numel]))
     if finish is None:
         return {}
     for i, names in merged.items():
@@ -264,7 +264,7 @@ def _full_flat(h, states, name, dtype, device, flat: bool) -> torch.Tensor:
             if st is None or name not in st:
                 continue
             if not h.sharded:
-                shard[info.offset : info.offset + info.numel].copy_(st[name].reshape(-1))
+                shard[info.offset : info.offset + info.numel].copy_(info.flat_of(st[name]))
             elif sl is not None:
                 shard[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard].copy_(st[name])
     if not h.sharded or h.world_size == 1:

@@ -47,7 +47,7 @@ class OrigParams:
             flat = self.flat_param.detach()
             for p, info in zip(self.orig_params, self.layout.params):
                 info.module._parameters[info.name] = p
-                p.data = flat[info.offset : info.offset + info.numel].view(info.shape)
+                p.data = info.unflat(flat[info.offset : info.offset + info.numel])
         else:
             empty = self.local_shard.new_empty(0)
             for p, info, sl in zip(self.orig_params, self.layout.params, self.layout.shard_slices):
@@ -68,7 +68,7 @@ class OrigParams:
                 if self.sharded:
                     view = g[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
                 else:
-                    view = g[info.offset : info.offset + info.numel].view(info.shape)
+                    view = info.unflat(g[info.offset : info.offset + info.numel])
                 if view.dtype == p.dtype:
                     p.grad = view
                 else:  # keep_low_precision_grads: a low-precision grad on a full-precision parameter
@@ -93,7 +93,7 @@ class OrigParams:
             if g is None:  # frozen parameters get their (zero) view too, as in torch
                 p.grad = None
                 continue
-            view = g[info.offset : info.offset + info.numel].view(info.shape)
+            view = info.unflat(g[info.offset : info.offset + info.numel])
             if p.grad is None:
                 p.grad = torch.empty_like(p)
             p.grad.data = view
@@ -176,4 +176,4 @@ class OrigParams:
                 "it replaced (this rank's slice). Fix: update it in place (p.data.copy_(...), p.grad.copy_(...)) "
                 "or inside summon_full_params().")
         with torch.no_grad():
-            dst[offset : offset + numel].copy_(src.reshape(-1))
+            dst[offset : offset + numel].copy_(src if self.sharded else info.flat_of(src))

@@ -144,7 +144,9 @@ def _full_param_copies(root) -> tuple[dict[int, torch.Tensor], set[int]]:
             raise RuntimeError(f"zeroshard: state_dict() inside summon_full_params(rank0_only=True) on rank {h.rank}: "
                                f"unit '{h.unit_name}' holds no full parameters here (only rank 0 keeps them). Fix: take "
                                "the state dict outside the block, or only on rank 0.")
-        outs = ext.unflatten(h.flat_param.detach(), [i.offset for i in infos], [i.shape for i in infos])
+        flat = h.flat_param.detach()
+        outs = ext.unflatten(flat, [i.offset for i in infos], [i.shape for i in infos])
+        outs = [o if i.stride is None else i.unflat(flat[i.offset : i.offset + i.numel]).clone() for o, i in zip(outs, infos)]
         copies.update(zip(map(id, params), outs))
         if h.sharded:
             sharded.update(map(id, params))
