@@ -153,3 +153,71 @@ def _replace_tied(rank, world_size):
 
 def test_replacing_a_tied_parameter_is_refused(ranks):
     assert all(ranks.run(2, _replace_tied))
+
+
+# --------------------------------------------- the original parameters around forward and backward
+def _l2(model):
+    return sum(p.float().pow(2).sum() for p in model.parameters())
+
+
+def _penalty_outside_forward(rank, world_size, strategy, when):
+    """An L2 penalty over model.parameters() computed before the forward (it
+    reaches the original parameters through their own AccumulateGrad nodes) or
+    after it (where ZeRO-2 exposes the unsharded parameters the forward used)."""
+    (ref, ours), opts = _engines("mlp", True, strategy)
+    seen = {}
+    for m, o in zip((ref, ours), opts):
+        for step in range(3):
+            reg = _l2(m) if when == "before" else None
+            out = m(batch("mlp", rank, step))
+            if when == "after":
+                reg = _l2(m)
+            (out.float().pow(2).mean() + 0.01 * reg).backward()
+            # torch leaves an empty .grad where this rank holds none of a parameter; zeroshard None
+            seen.setdefault("grads", []).append([(n, None if p.grad is None or p.numel() == 0 else p.grad.clone())
+                                                 for n, p in m.named_parameters()])
+            seen.setdefault("reg", []).append(reg.detach())
+            o.step()
+            o.zero_grad()
+        seen.setdefault("params", []).append([(n, p.detach().clone()) for n, p in m.named_parameters()])
+    n = len(seen["reg"]) // 2
+    for i in range(n):
+        assert torch.equal(seen["reg"][i], seen["reg"][n + i]), (when, i)
+        _same(seen["grads"][i], seen["grads"][n + i], f"{when}: grads at step {i}")
+    _same(*seen["params"], f"{when}: params")
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_penalty_on_the_original_parameters_matches_torch(ranks, strategy, when):
+    """Before: its gradient used to be dropped (the end of backward pointed
+    .grad at the flat gradient over it). After, under SHARD_GRAD_OP: the penalty
+    used to read this rank's 1-D shards instead of the full parameters."""
+    assert all(ranks.run(2, _penalty_outside_forward, strategy, when))
+
+
+def _freeze_a_unit_then_unfreeze(rank, world_size, strategy):
+    (ref, ours), opts = _engines("mlp", True, strategy)
+    seen = {}
+    for m, o in zip((ref, ours), opts):
+        block = [u for u in m.modules() if type(u).__name__.endswith("FullyShardedDataParallel") and u is not m][1]
+        block.requires_grad_(False)
+        for step in range(4):
+            if step == 2:
+                block.requires_grad_(True)
+            m(batch("mlp", rank, step)).float().pow(2).mean().backward()
+            o.step()
+            o.zero_grad()
+        seen.setdefault("types", []).append([type(t).__name__ for t in block.module._parameters.values()])
+        seen.setdefault("params", []).append([(n, p.detach().clone()) for n, p in m.named_parameters()])
+    assert seen["types"][0] == seen["types"][1] == ["Parameter"] * len(seen["types"][0]), seen["types"]
+    _same(*seen["params"], "params")
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_a_unit_frozen_for_some_steps_trains_after_unfreezing_as_in_torch(ranks, strategy):
+    """NO_SHARD: a wholly frozen unit runs no post-backward; its modules used to
+    keep plain tensor views in place of the parameters, so unfreezing trained nothing."""
+    assert all(ranks.run(2, _freeze_a_unit_then_unfreeze, strategy))

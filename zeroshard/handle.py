@@ -289,8 +289,10 @@ class FlatParamHandle(OrigParams, FullParams):
             self.secondary = self.hpz.save(self._full)
 
     # ------------------------------------------------------------------ reshard
-    def reshard(self, free: bool):
-        """Point back at the local shard; with ``free``, release the full buffer."""
+    def reshard(self, free: bool, sharded_views: bool = True):
+        """Point back at the local shard; with ``free``, release the full buffer.
+        ``sharded_views=False`` (use_orig_params) leaves the module's tensors
+        the unsharded views they are (ZeRO-2 between forward and backward)."""
         was_unsharded = self.unsharded
         self.flat_param.data = self.local_shard
         # A NO_SHARD low-precision copy is dropped at every reshard: the next
@@ -304,7 +306,7 @@ class FlatParamHandle(OrigParams, FullParams):
             self._full = None
             self.unsharded = False
             unsharded_tracker.remove(self)
-        if self.use_orig_params:
+        if self.use_orig_params and sharded_views:
             self.use_sharded_views()
         self.prefetched = False
         if trace._active:
@@ -329,6 +331,7 @@ class FlatParamHandle(OrigParams, FullParams):
             if self.keep_low_precision_grads and self.flat_param.grad.dtype != self.compute_dtype and not self.forced_full_precision:
                 self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
         if self.use_orig_params:
+            self.absorb_outside_grads()
             self.use_sharded_grad_views()
 
 

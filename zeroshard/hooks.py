@@ -205,11 +205,13 @@ def post_forward(state, output):
         keep = torch.is_grad_enabled() and (state._is_root or recompute or handle.strategy not in RESHARD_AFTER_FORWARD)
         if not keep and torch.is_grad_enabled():
             handle.keep_secondary()  # hpZ: the backward gathers from it within the group
-        handle.reshard(free=not keep)
-        # torch re-points the grads too (NO_SHARD included: a frozen parameter's
-        # grad goes back to None), except for ZeRO-2 units computing with grad mode
-        zero2 = handle.sharded and handle.strategy not in RESHARD_AFTER_FORWARD
-        if handle.use_orig_params and not recompute and not (torch.is_grad_enabled() and zero2):
+        # ZeRO-2 units computing with grad mode keep exposing the unsharded
+        # views until their backward, as torch does (its skipped sharded views):
+        # model.parameters() then reads the full values the forward used.
+        zero2_kept = torch.is_grad_enabled() and handle.sharded and handle.strategy not in RESHARD_AFTER_FORWARD
+        handle.reshard(free=not keep, sharded_views=not zero2_kept)
+        # torch re-points the grads too (NO_SHARD included: a frozen parameter's grad goes back to None)
+        if handle.use_orig_params and not recompute and not zero2_kept:
             handle.use_grad_views_after_forward()
         handle.state = HandleState.IDLE
     if state._is_root and not torch.is_grad_enabled():  # no backward will come to free them
@@ -270,6 +272,7 @@ def pre_backward(state):
         Variable._execution_engine.queue_callback(lambda: post_backward_final(root))
         for h in rt.handles:
             h.reset_grad_if_orig_grads_none()
+            h.note_grads_at_backward()
     if handle is None:
         return
     handle.state = HandleState.BACKWARD_PRE
@@ -341,6 +344,9 @@ def post_backward_final(root):
                 trace.span_end("backward", handle.unit_name)
             if handle.unsharded and not handle.always_full:  # e.g. outputs unused by the loss, a frozen unit
                 handle.reshard(_free_in_backward(state, handle))
+            elif handle.use_orig_params and not handle.orig_exposed:  # a frozen NO_SHARD unit: no post-backward
+                handle.reshard(free=False)  # re-registered its parameters in place of the views
+
             handle.secondary = None
             if handle.flat_param.requires_grad and state._sync_gradients:
                 handle.prepare_gradient_for_optim()

@@ -109,6 +109,43 @@ class OrigParams:
             self.flat_param.grad = None
         self.flat_param.requires_grad_(any(p.requires_grad for p in self.orig_params))
 
+    def note_grads_at_backward(self):
+        """At the start of a backward: the gradient objects the original
+        parameters hold (see :meth:`absorb_outside_grads`)."""
+        self._grads_at_backward = [p.grad for p in self.orig_params] if self.use_orig_params else None
+
+    def absorb_outside_grads(self):
+        """A loss term on the original parameters themselves, outside forward
+        (an L2 penalty over ``model.parameters()`` computed before it), reaches
+        them through their own AccumulateGrad nodes: autograd gives them a new
+        ``.grad``, which pointing them at the flat gradient would drop. torch
+        FSDP1 adds it into its gradient views; add it into the flat gradient
+        here too (this rank's, unreduced, as in torch)."""
+        before, self._grads_at_backward = getattr(self, "_grads_at_backward", None), None
+        if before is None:
+            return
+        g = self.flat_param.grad
+        for i, (p, old) in enumerate(zip(self.orig_params, before)):
+            if p.grad is None or p.grad is old or (g is not None and _same_storage(p.grad, g)):
+                continue
+            own = self._own_range(i)
+            if own is None:
+                continue
+            if g is None:
+                g = self.flat_param.grad = torch.zeros_like(self.local_shard)
+            offset, numel = own
+            with torch.no_grad():
+                g[offset : offset + numel].add_(p.grad.reshape(-1) if self.sharded else self.layout.params[i].flat_of(p.grad))
+            self.grad_none.discard(i)
+
+    def _own_range(self, i: int) -> tuple[int, int] | None:
+        """(offset, numel) of original parameter ``i`` in this rank's shard (the whole buffer under NO_SHARD)."""
+        if not self.sharded:
+            info = self.layout.params[i]
+            return info.offset, info.numel
+        sl = self.layout.shard_slices[i]
+        return None if sl is None else (sl.offset_in_shard, sl.numel_in_shard)
+
     def gradients_computed(self):
         """A synchronized backward gave every parameter that requires grad a gradient."""
         self.grad_none -= {i for i, p in enumerate(self.orig_params) if p.requires_grad}
@@ -130,13 +167,10 @@ class OrigParams:
             return
         flat_grad = self.flat_param.grad
         for i, info in enumerate(self.layout.params):
-            if self.sharded:
-                sl = self.layout.shard_slices[i]
-                if sl is None:
-                    continue
-                offset, numel = sl.offset_in_shard, sl.numel_in_shard
-            else:
-                offset, numel = info.offset, info.numel
+            own = self._own_range(i)
+            if own is None:
+                continue
+            offset, numel = own
             p = self.orig_params[i]
             now = info.module._parameters.get(info.name)
             if now is None:
