@@ -53,6 +53,30 @@ class Wide(nn.Module):
         self.layers = nn.ModuleList(nn.Linear(d, d) for _ in range(n))
 
 
+def _init_fn_reaching_wrapped_units(rank, world_size, use_orig_params):
+    def init_fn(m):  # to_empty without recurse=False: on the root it re-empties the wrapped Blocks too
+        m.to_empty(device=torch.device("cpu"))
+        with torch.no_grad():
+            for p in m.parameters(recurse=False):
+                p.fill_(0.05)
+
+    with torch.device("meta"):
+        model = MLP(n_blocks=3)
+    try:
+        zs.FSDP(model, param_init_fn=init_fn, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_param_init_fn_reaching_wrapped_units_is_refused(ranks, use_orig_params):
+    """torch FSDP1 trains on the re-emptied (garbage) values of the wrapped units silently."""
+    for msg in ranks.run(2, _init_fn_reaching_wrapped_units, use_orig_params):
+        assert msg is not None and msg.startswith("zeroshard: param_init_fn re-created the parameters of a unit wrapped already"), msg
+        assert "to_empty(device=..., recurse=False)" in msg, msg
+
+
 def _partly_meta_vs_torch(rank, world_size, real):
     """A unit with some states on meta: torch FSDP1 re-creates and resets every
     module of that unit, the real ones too; zeroshard does the same, so the

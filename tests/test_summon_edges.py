@@ -142,3 +142,20 @@ def _nested_summon(rank, world_size):
 def test_summon_inside_summon_is_refused(ranks):
     """torch refuses it too; zeroshard used to free the outer block's buffer and fail obscurely."""
     assert ranks.run(2, _nested_summon) == [(336,), (336,)]
+
+
+def _unsupported_combinations(rank, world_size):
+    raised = []
+    for model, lib in zip(_both(lambda: build("mlp")), (tfsdp, zs)):  # use_orig_params=False
+        for kw in (dict(rank0_only=True, writeback=True), dict(with_grads=True)):
+            with pytest.raises(NotImplementedError) as info:  # a RuntimeError too
+                with lib.FullyShardedDataParallel.summon_full_params(model, **kw):
+                    pass
+            raised.append(type(info.value).__name__)
+        # torch's docs: the target need not be an FSDP module; without units, no settings
+        assert lib.FullyShardedDataParallel.get_state_dict_type(nn.Linear(2, 2)) is None
+    return raised
+
+
+def test_unsupported_summon_combinations_and_settings_of_a_plain_module_as_in_torch(ranks):
+    assert ranks.run(2, _unsupported_combinations) == [["NotImplementedError"] * 4] * 2

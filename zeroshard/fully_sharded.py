@@ -313,11 +313,9 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def get_state_dict_type(module):
-        """The ``StateDictSettings`` (type, config, optimizer config) the units of ``module`` share."""
-        settings = optim_state.state_dict_settings(module)
-        if settings is None:
-            raise ValueError("zeroshard: get_state_dict_type: the module has no FullyShardedDataParallel unit.")
-        return settings
+        """The ``StateDictSettings`` (type, config, optimizer config) the units of
+        ``module`` share; None when it holds no unit (as torch FSDP1 returns)."""
+        return optim_state.state_dict_settings(module)
 
     # torch's older optimizer-state API (see optim_legacy)
     sharded_optim_state_dict = staticmethod(optim_legacy.sharded_optim_state_dict)

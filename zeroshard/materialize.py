@@ -43,6 +43,12 @@ def _has_meta_state(module: nn.Module) -> bool:
     return any(t.is_meta for t in _own_states(module))
 
 
+def _wrapped_storages(root: nn.Module, skip) -> list[int]:
+    """Where the parameters of the units already wrapped under ``root`` live."""
+    return [t.untyped_storage().data_ptr() for m in root.modules() if m is not root and skip(m)
+            for t in m.parameters()]
+
+
 @torch.no_grad()
 def materialize(root: nn.Module, skip, device: torch.device, param_init_fn=None) -> None:
     modules = unit_modules(root, skip)
@@ -51,8 +57,15 @@ def materialize(root: nn.Module, skip, device: torch.device, param_init_fn=None)
     if param_init_fn is not None:
         if not callable(param_init_fn):
             raise ValueError(f"zeroshard: param_init_fn must be callable, got {type(param_init_fn).__name__}.")
+        wrapped = _wrapped_storages(root, skip)
         for m in modules:
             param_init_fn(m)
+        if wrapped != _wrapped_storages(root, skip):
+            raise ValueError(
+                f"zeroshard: param_init_fn re-created the parameters of a unit wrapped already, inside "
+                f"{type(root).__name__} (e.g. module.to_empty(device=...) without recurse=False): that unit's values "
+                "would be garbage (torch FSDP1 trains on them silently). Fix: initialize only the module's own "
+                "states: module.to_empty(device=..., recurse=False), then reset them.")
         return
     # As torch FSDP1: once any state of the unit is on meta, *every* module of
     # the unit with states of its own is re-created and reset, real ones too

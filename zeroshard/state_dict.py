@@ -84,11 +84,11 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
     already summoned by an enclosing block are used as they are, as torch's
     state-dict hooks do, instead of refused."""
     if rank0_only and writeback:
-        raise ValueError("zeroshard: summon_full_params(rank0_only=True, writeback=True) is not supported (torch FSDP forbids it too): "
-                         "other ranks would write back parameters they never saw. Fix: pass writeback=False.")
+        raise NotImplementedError("zeroshard: summon_full_params(rank0_only=True, writeback=True) is not supported (torch FSDP "
+                                  "forbids it too): other ranks would write back parameters they never saw. Fix: pass writeback=False.")
     units = units_of(module, recurse)
     if with_grads and any(u._handle is not None and not u._handle.use_orig_params for u in units):
-        raise ValueError("zeroshard: summon_full_params(with_grads=True) needs use_orig_params=True (as in torch FSDP).")
+        raise NotImplementedError("zeroshard: summon_full_params(with_grads=True) needs use_orig_params=True (as in torch FSDP).")
     if offload_to_cpu and any(u.compute_device.type != "cpu" for u in units):
         raise ValueError("zeroshard: summon_full_params(offload_to_cpu=True) on a GPU module is not supported yet. Fix: leave offload_to_cpu=False.")
     busy = next((u for u in units if u._summoning), None)
