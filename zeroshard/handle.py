@@ -215,6 +215,7 @@ class FlatParamHandle(OrigParams, FullParams):
         self.state = HandleState.IDLE
         self.ran_pre_backward = self.needs_pre_backward_unshard = self.prefetched = False
         self.post_backward_called = self.grad_accumulated = False
+        self._grads_at_backward = None  # (see absorb_outside_grads) held no longer than one backward
         if self.post_backward_hook is not None:
             self.post_backward_hook[1].remove()
             self.post_backward_hook = None
