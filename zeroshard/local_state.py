@@ -25,7 +25,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .state_dict import FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, clean_key, plain_module_behaviour, summon_full_params
+from .state_dict import FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, clean_fqn, clean_key, plain_module_behaviour, summon_full_params
 
 
 def _layout(root, prefix: str):
@@ -146,14 +146,17 @@ def _load_flat(h, value, key: str):
 def load(root, state_dict, strict: bool = True):
     _refuse_mesh(root)
     sharded, no_shard = _layout(root, "")
-    flat_keys = {clean_key(p) + FLAT_PARAM: (p + WRAPPED_PREFIX + FLAT_PARAM, h) for p, h in sharded}
+    # Keys compared without FSDP's and activation checkpointing's wrapper names: a
+    # checkpoint wrapper's own hooks drop its name from saved keys, and torch
+    # reports none of them missing.
+    flat_keys = {clean_fqn(p) + FLAT_PARAM: (clean_fqn(p + WRAPPED_PREFIX + FLAT_PARAM), h) for p, h in sharded}
     with _full_no_shard_units(no_shard, writeback=True):
         with plain_module_behaviour():
             current = [k for k in nn.Module.state_dict(root, keep_vars=True)]
-        raw_of = {clean_key(k): k for k in current}
+        raw_of = {clean_fqn(k): k for k in current}
         flats, rest, unexpected = [], {}, []
         for k, v in state_dict.items():
-            key = clean_key(k)  # also zeroshard's earlier keys, under the wrapped names
+            key = clean_fqn(k)  # also zeroshard's earlier keys, under the wrapped names
             if key in flat_keys:
                 flats.append((key, v))
             elif key in raw_of:
@@ -165,7 +168,7 @@ def load(root, state_dict, strict: bool = True):
             _load_flat(flat_keys[key][1], v, key)
     raw_flat = {raw for raw, _ in flat_keys.values()}
     given = {key for key, _ in flats}
-    missing = [clean_key(k) for k in result.missing_keys if k not in raw_flat]
+    missing = [clean_fqn(k) for k in result.missing_keys if clean_fqn(k) not in raw_flat]
     missing += [key for key in flat_keys if key not in given]
     if strict and (missing or unexpected):
         raise RuntimeError(f"zeroshard: LOCAL state dict mismatch: missing {missing}, unexpected {unexpected}. Fix: load "
