@@ -336,3 +336,60 @@ def test_settings_torch_refuses_are_refused(ranks):
     """Nested units disagreeing on use_orig_params / limit_all_gathers,
     process_group with device_mesh, and LOCAL_STATE_DICT with a device_mesh."""
     assert all(ranks.run(2, _refusals))
+
+
+# ------------------------------------------------ LOCAL state dicts and summon under mixed precision
+def _local_buffers(rank, world_size, root_strategy, block_strategy):
+    from models import MLP, batch
+
+    seen = []
+    for engine, (lib, wrap_lib, _) in ENGINES.items():
+        torch.manual_seed(0)
+        model = MLP()
+        for b in model.blocks:
+            b.register_buffer("bscale", torch.linspace(0.9, 1.1, 7))
+        policy = wrap_lib.CustomPolicy(
+            lambda m: {"sharding_strategy": getattr(lib.ShardingStrategy, block_strategy)} if isinstance(m, Block) else False)
+        m = _fsdp(engine, model, auto_wrap_policy=policy, sharding_strategy=root_strategy,
+                  mixed_precision=dict(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+        m(batch("mlp", rank, 0)).float().pow(2).mean().backward()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with lib.FullyShardedDataParallel.state_dict_type(m, lib.StateDictType.LOCAL_STATE_DICT):
+                sd = m.state_dict()
+        seen.append({k: v for k, v in sd.items() if "scale" in k})
+    ref, ours = seen
+    assert list(ref) == list(ours)
+    return {k: (str(ours[k].dtype), ref[k].dtype == ours[k].dtype and torch.equal(ref[k], ours[k])) for k in ref}
+
+
+@pytest.mark.parametrize("root_strategy,block_strategy", [("FULL_SHARD", "NO_SHARD"), ("NO_SHARD", "FULL_SHARD")])
+def test_local_state_dict_buffers_under_buffer_dtype_as_torch(ranks, root_strategy, block_strategy):
+    """torch saves a NO_SHARD unit through its FULL hook, which casts buffer_dtype
+    buffers back in the unit's whole subtree; zeroshard saved them in bf16."""
+    for got in ranks.run(2, _local_buffers, root_strategy, block_strategy):
+        assert all(same for _, same in got.values()), got
+        assert got["blocks.0.bscale"][0] == "torch.float32", got
+
+
+def _summon_low_precision_grads(rank, world_size):
+    from models import MLP, batch
+
+    seen = []
+    for engine in ENGINES:
+        torch.manual_seed(0)
+        m = _fsdp(engine, MLP(), sharding_strategy="NO_SHARD", use_orig_params=True,
+                  mixed_precision=dict(param_dtype=torch.float16, keep_low_precision_grads=True))
+        m(batch("mlp", rank, 0)).float().pow(2).mean().backward()
+        with ENGINES[engine][0].FullyShardedDataParallel.summon_full_params(m, with_grads=True):
+            seen.append([(p.dtype, None if p.grad is None else p.grad.clone()) for p in m.parameters()])
+    for (da, ga), (db, gb) in zip(*seen):
+        assert da == db == torch.float32 and (ga is None) == (gb is None)
+        assert ga is None or (ga.dtype == gb.dtype == torch.float16 and torch.equal(ga, gb))
+    return True
+
+
+def test_summon_with_grads_shows_low_precision_grads_as_torch(ranks):
+    """NO_SHARD + use_orig_params + keep_low_precision_grads: zeroshard raised on
+    assigning the fp16 gradient to the fp32 parameter."""
+    assert ranks.run(2, _summon_low_precision_grads) == [True, True]

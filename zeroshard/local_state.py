@@ -25,7 +25,8 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .state_dict import FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, clean_fqn, clean_key, plain_module_behaviour, summon_full_params
+from .state_dict import (FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key, plain_module_behaviour,
+                         summon_full_params)
 
 
 def _layout(root, prefix: str):
@@ -91,6 +92,8 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
         with plain_module_behaviour():
             raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
         full_params = {id(info.module._parameters[info.name]) for u in no_shard for info in u._handle.layout.params}
+        # torch's NO_SHARD fallback is its FULL hook, which casts buffer_dtype buffers back in the unit's whole subtree
+        upcast = {id(b) for u in no_shard for b in u.buffers()}
         out, open_units, pending = {}, [], list(sharded)
 
         def close(key=None):  # a unit's subtree ended: with use_orig_params its flat entry comes now
@@ -109,7 +112,7 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
             elif id(v) in full_params:
                 value = v.detach().clone()
             else:
-                value = v if keep_vars and id(v) not in owned else v.detach()
+                value = buffer_value(v, keep_vars and id(v) not in owned, id(v) in upcast)
                 if offload:
                     value = value.cpu()
             out[clean_key(k)] = value

@@ -169,7 +169,8 @@ def _upcast_buffer_ids(root) -> set[int]:
     return ids
 
 
-def _buffer_value(v, keep_vars: bool, upcast: bool):
+def buffer_value(v, keep_vars: bool, upcast: bool):
+    """A state dict's value for ``v``: with ``upcast``, a buffer ``buffer_dtype`` cast back to its own dtype."""
     orig = getattr(v, "_zeroshard_orig_dtype", None)
     if orig is not None and upcast:
         return v.detach().to(orig)
@@ -186,7 +187,7 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
             raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
             upcast = _upcast_buffer_ids(root)
         copies, sharded = _full_param_copies(root)
-        out = {clean_key(k): copies[id(v)] if id(v) in copies else _buffer_value(v, keep_vars, id(v) in upcast)
+        out = {clean_key(k): copies[id(v)] if id(v) in copies else buffer_value(v, keep_vars, id(v) in upcast)
                for k, v in raw.items()}
         return out, {clean_key(k) for k, v in raw.items() if id(v) in sharded}
 
