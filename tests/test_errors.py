@@ -172,3 +172,26 @@ def test_optimizer_over_unwrapped_parameters(ranks):
     for msg in ranks.run(2, _optimizer_before_wrapping, False):
         assert msg and "inp.weight" in msg and "build the optimizer after wrapping" in msg, msg
     assert ranks.run(2, _optimizer_before_wrapping, True) == [None, None]
+
+
+def _group_of_other_ranks(rank, world_size, hybrid):
+    import torch.distributed as dist
+
+    only_rank0 = dist.new_group([0])  # a placeholder, not a group, on rank 1
+    kw = (dict(sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD, process_group=(only_rank0, dist.group.WORLD))
+          if hybrid else dict(process_group=only_rank0))
+    try:
+        zs.FSDP(MLP(), **kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_a_group_this_rank_is_not_in_is_named(ranks, hybrid):
+    """torch FSDP1 gives a type error about the tuple, or an AttributeError deep inside (an int has no .rank())."""
+    msg0, msg1 = ranks.run(2, _group_of_other_ranks, hybrid)
+    assert msg0 is None, msg0  # rank 0 is in its group
+    what = "process_group[0] (the shard group)" if hybrid else "process_group"
+    assert msg1 is not None and f"rank 1: {what} is " in msg1 and "not a process group this rank belongs to" in msg1, msg1
+    assert "Fix: create every group on every rank" in msg1, msg1

@@ -68,6 +68,8 @@ def resolve(process_group, device_mesh, strategy, fsdp_group_size):
                          "Fix: 2-D (replicate, shard) for hybrid strategies, 1-D otherwise.")
     if strategy in HYBRID:
         if isinstance(process_group, tuple) and len(process_group) == 2:
+            _check_member(process_group[0], "process_group[0] (the shard group)")
+            _check_member(process_group[1], "process_group[1] (the replicate group)")
             return process_group
         if process_group is not None:
             raise ValueError("zeroshard: hybrid sharding takes process_group=(shard_group, replicate_group). "
@@ -80,7 +82,18 @@ def resolve(process_group, device_mesh, strategy, fsdp_group_size):
         return block_groups(int(local))
     if isinstance(process_group, tuple):
         raise ValueError(f"zeroshard: a (shard, replicate) process_group tuple needs a hybrid strategy, not {strategy.name}.")
+    _check_member(process_group, "process_group")
     return process_group, None
+
+
+def _check_member(group, what: str) -> None:
+    """A group is a ProcessGroup this rank belongs to: on ranks outside its
+    ranks, dist.new_group returns a placeholder (not a group)."""
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise ValueError(
+            f"zeroshard: rank {dist.get_rank()}: {what} is {group!r} ({type(group).__name__}), not a process group this "
+            "rank belongs to (dist.new_group(ranks) returns a placeholder on ranks outside `ranks`). Fix: create every "
+            "group on every rank and pass each rank the one that contains it.")
 
 
 def hpz_group(k: int, shard_group, strategy):
