@@ -51,6 +51,20 @@ def test_different_models_detected_at_construction():
     assert "different layout on different ranks" in msg and "b.weight" in msg and "Fix" in msg, msg
 
 
+def _different_memory_formats(rank, world_size):
+    model = Other(wide=False)
+    if rank == 1:  # e.g. .to(memory_format=...) run on some ranks only: flattened in another element order
+        model.b.weight.data = model.b.weight.data.t().contiguous().t()
+    zs.FSDP(model)
+
+
+def test_different_parameter_memory_layouts_detected_at_construction():
+    with pytest.raises(RuntimeError) as info:
+        spawn(_different_memory_formats, 2, timeout=120, pg_timeout=20)
+    msg = str(info.value)
+    assert "different layout on different ranks" in msg and "'b.weight', (5, 4), None" in msg and "(1, 5)" in msg, msg
+
+
 def _different_settings(rank, world_size, which):
     kwargs = {"mp": dict(mixed_precision=zs.MixedPrecision(param_dtype=(torch.bfloat16, torch.float16)[rank])),
               "reduce": dict(mixed_precision=zs.MixedPrecision(reduce_dtype=(torch.bfloat16, torch.float16)[rank])),

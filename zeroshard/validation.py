@@ -29,7 +29,7 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings
     and the ``settings`` that must agree too (sharding strategy,
     use_orig_params, mixed-precision dtypes: ranks disagreeing there train on
     to silently wrong, even non-finite, values or time out)."""
-    mine = (str(dtype), [(p.fqn, tuple(p.shape)) for p in layout.params],
+    mine = (str(dtype), [(p.fqn, tuple(p.shape), p.stride) for p in layout.params],  # stride: the memory order flattened
             sorted((k, str(v)) for k, v in (settings or {}).items()))
     if group.size() == 1:
         return
