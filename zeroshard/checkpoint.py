@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .state_dict import OffRank0
 
 
 def _tmp_prefix(path: str) -> str:
@@ -51,7 +52,9 @@ def _is_stale(tmp_name: str, prefix: str) -> bool:
     """A temporary file is stale when its writer on this host is gone. A live
     writer's (another rank, process or thread saving to the same path right
     now) and another host's are left alone: removing them would make that
-    save fail after writing everything, leaving whatever this one wrote."""
+    save fail after writing everything, leaving whatever this one wrote.
+    (Two containers sharing a hostname but not a PID namespace cannot tell
+    each other's writers apart: give them distinct hostnames.)"""
     host, _, pid = tmp_name[len(prefix):-len(".tmp")].rpartition(".")[0].rpartition(".")
     if not pid.isdigit():
         return True  # untagged: written before writers were tagged
@@ -68,36 +71,29 @@ def _is_stale(tmp_name: str, prefix: str) -> bool:
 
 def _refuse_empty_on_other_ranks(obj, path: str) -> None:
     """FULL state dicts and optimizer state dicts with ``rank0_only=True`` are
-    empty on ranks other than 0; saved there to rank 0's path, they would
-    replace its checkpoint with an empty one (whichever rename lands last)."""
-    if not (_distributed() and dist.get_world_size() > 1 and dist.get_rank() != 0):
-        return
+    empty on ranks other than 0 (``state_dict.OffRank0``); saved there to rank
+    0's path, they would replace its checkpoint (whichever rename lands last)."""
 
-    def walk(x):  # (holds a tensor, holds an empty dict)
-        if torch.is_tensor(x):
-            return True, False
-        if isinstance(x, dict):
-            found = [walk(v) for v in x.values()]
-            return any(t for t, _ in found), not x or any(e for _, e in found)
-        if isinstance(x, (list, tuple)):
-            found = [walk(v) for v in x]
-            return any(t for t, _ in found), any(e for _, e in found)
-        return False, False
+    def holds_one(x) -> bool:
+        if isinstance(x, OffRank0):
+            return True
+        values = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+        return any(holds_one(v) for v in values)
 
-    has_tensor, has_empty = walk(obj)
-    if isinstance(obj, dict) and has_empty and not has_tensor:
+    if holds_one(obj):
+        rank = dist.get_rank() if _distributed() else 0
         raise ValueError(
-            f"zeroshard: checkpoint.save: rank {dist.get_rank()} is saving a state with no tensors and an empty dict "
-            f"to '{path}'. With rank0_only=True (FullStateDictConfig, FullOptimStateDictConfig) only rank 0 holds the "
-            "state; saved here to the same path, this empty one could replace rank 0's checkpoint. "
+            f"zeroshard: checkpoint.save: rank {rank} is saving the empty state a rank0_only state dict gives ranks "
+            f"other than 0, to '{path}'. With rank0_only=True (FullStateDictConfig, FullOptimStateDictConfig) only "
+            "rank 0 holds the state; saved here to the same path, this empty one could replace rank 0's checkpoint. "
             "Fix: save on rank 0 only (`if dist.get_rank() == 0: checkpoint.save(...)`), or pass rank0_only=False.")
 
 
 def save(obj, path: str | os.PathLike) -> None:
     """``torch.save(obj, path)``, atomically (on POSIX filesystems).
 
-    Refused on a rank other than 0 when ``obj`` is a dict with no tensors and
-    an empty dict (a rank0_only state dict there): see ``_refuse_empty_on_other_ranks``.
+    Refused when ``obj`` holds the empty dict a rank0_only state dict is on
+    ranks other than 0: see ``_refuse_empty_on_other_ranks``.
     """
     path = os.path.abspath(os.fspath(path))
     _refuse_empty_on_other_ranks(obj, path)

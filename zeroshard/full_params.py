@@ -68,11 +68,7 @@ class FullParams:
         for p, info in zip(params, self.layout.params):
             view = info.unflat(g[info.offset : info.offset + info.numel])
             p.grad = None
-            if view.dtype == p.dtype:
-                p.grad = view
-            else:  # keep_low_precision_grads: a low-precision grad on a full-precision parameter, as torch shows it
-                p.grad = torch.empty_like(p)
-                p.grad.data = view
+            self._point_grad(p, view)
         return g
 
     def exit_full_params(self, writeback: bool, undo: dict):

@@ -342,11 +342,10 @@ def post_backward_final(root):
         if handle is not None:
             if trace._active:  # a unit whose post-backward hook never ran
                 trace.span_end("backward", handle.unit_name)
-            if handle.unsharded and not handle.always_full:  # e.g. outputs unused by the loss, a frozen unit
+            # Still gathered (outputs unused by the loss, a frozen unit), or views left in place of the
+            # original parameters (a frozen NO_SHARD unit: no post-backward re-registered them).
+            if (handle.unsharded and not handle.always_full) or (handle.use_orig_params and not handle.orig_exposed):
                 handle.reshard(_free_in_backward(state, handle))
-            elif handle.use_orig_params and not handle.orig_exposed:  # a frozen NO_SHARD unit: no post-backward
-                handle.reshard(free=False)  # re-registered its parameters in place of the views
-
             handle.secondary = None
             if handle.flat_param.requires_grad and state._sync_gradients:
                 handle.prepare_gradient_for_optim()

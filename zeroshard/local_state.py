@@ -152,7 +152,7 @@ def load(root, state_dict, strict: bool = True):
     # Keys compared without FSDP's and activation checkpointing's wrapper names: a
     # checkpoint wrapper's own hooks drop its name from saved keys, and torch
     # reports none of them missing.
-    flat_keys = {clean_fqn(p) + FLAT_PARAM: (clean_fqn(p + WRAPPED_PREFIX + FLAT_PARAM), h) for p, h in sharded}
+    flat_keys = {clean_fqn(p) + FLAT_PARAM: h for p, h in sharded}
     with _full_no_shard_units(no_shard, writeback=True):
         with plain_module_behaviour():
             current = [k for k in nn.Module.state_dict(root, keep_vars=True)]
@@ -168,10 +168,9 @@ def load(root, state_dict, strict: bool = True):
                 unexpected.append(k)
         result = nn.Module.load_state_dict(root, rest, strict=False)
         for key, v in flats:  # after the original parameters' views: the flat shard has the last word
-            _load_flat(flat_keys[key][1], v, key)
-    raw_flat = {raw for raw, _ in flat_keys.values()}
+            _load_flat(flat_keys[key], v, key)
     given = {key for key, _ in flats}
-    missing = [clean_fqn(k) for k in result.missing_keys if clean_fqn(k) not in raw_flat]
+    missing = [clean_fqn(k) for k in result.missing_keys if clean_fqn(k) not in flat_keys]
     missing += [key for key in flat_keys if key not in given]
     if strict and (missing or unexpected):
         raise RuntimeError(f"zeroshard: LOCAL state dict mismatch: missing {missing}, unexpected {unexpected}. Fix: load "

@@ -50,7 +50,7 @@ import torch.nn as nn
 from . import comm
 from .options import StateDictConfig, StateDictType
 from .sharded_state import device_mesh, to_chunk_sharded_tensor, to_row_shard
-from .state_dict import clean_fqn, clean_key, units_of
+from .state_dict import OffRank0, clean_fqn, clean_key, units_of
 
 
 @dataclass
@@ -243,7 +243,7 @@ def _gather_unit(h, prefix: str, optim, finish) -> dict[str, dict]:
                 # buffer it reuses for every state name, see the tests).
                 out[clean_fqn(prefix + info.fqn)][name] = finish(info.unflat(full[info.offset : info.offset + info.numel]))
     if finish is None:
-        return {}
+        return {}  # a unit's part, merged into the dict below
     for i, names in merged.items():
         for k, (kind, v) in names.items():
             if kind == "scalar":
@@ -316,7 +316,7 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> 
         if in_optim:
             per_unit[id(h)] = _gather_unit(h, prefix, optim, finish(h))
     if not keep:
-        return {}
+        return OffRank0()
     plain = {}
     for p in params:
         kind, h, _, fqn = index.get(id(p), ("plain", None, None, None))

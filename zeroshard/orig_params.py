@@ -39,6 +39,8 @@ class OrigParams:
     # (between steps) until writeback has checked them: only then can the user
     # have replaced them, and one check per exposure is enough.
     orig_exposed: bool = False
+    # The gradient objects the original parameters held when the current backward started.
+    _grads_at_backward: list | None = None
 
     def use_sharded_views(self):
         """Re-register the original nn.Parameters as 1-D views of this rank's
@@ -69,12 +71,23 @@ class OrigParams:
                     view = g[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
                 else:
                     view = info.unflat(g[info.offset : info.offset + info.numel])
-                if view.dtype == p.dtype:
-                    p.grad = view
-                else:  # keep_low_precision_grads: a low-precision grad on a full-precision parameter
-                    if p.grad is None:
-                        p.grad = torch.empty_like(p)
-                    p.grad.data = view
+                self._point_grad(p, view)
+
+    @staticmethod
+    def _point_grad(p: torch.Tensor, view: torch.Tensor):
+        """``p.grad = view``; a low-precision view on a full-precision parameter
+        (keep_low_precision_grads) goes in through ``.data``, as torch does."""
+        if view.dtype == p.dtype:
+            p.grad = view
+        else:
+            if p.grad is None:
+                p.grad = torch.empty_like(p)
+            p.grad.data = view
+
+    def _segment_of(self, info, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (a parameter's value or grad as the user sees it between steps) as its
+        stretch of this rank's flat buffer: the 1-D slice itself, or the full one in memory order."""
+        return x.reshape(-1) if self.sharded else info.flat_of(x)
 
     def use_grad_views_after_forward(self):
         """After a forward, re-point the grads at the flat gradient, as torch
@@ -121,7 +134,7 @@ class OrigParams:
         ``.grad``, which pointing them at the flat gradient would drop. torch
         FSDP1 adds it into its gradient views; add it into the flat gradient
         here too (this rank's, unreduced, as in torch)."""
-        before, self._grads_at_backward = getattr(self, "_grads_at_backward", None), None
+        before = self._grads_at_backward
         if before is None:
             return
         g = self.flat_param.grad
@@ -135,7 +148,7 @@ class OrigParams:
                 g = self.flat_param.grad = torch.zeros_like(self.local_shard)
             offset, numel = own
             with torch.no_grad():
-                g[offset : offset + numel].add_(p.grad.reshape(-1) if self.sharded else self.layout.params[i].flat_of(p.grad))
+                g[offset : offset + numel].add_(self._segment_of(self.layout.params[i], p.grad))
             self.grad_none.discard(i)
 
     def _own_range(self, i: int) -> tuple[int, int] | None:
@@ -210,4 +223,4 @@ class OrigParams:
                 "it replaced (this rank's slice). Fix: update it in place (p.data.copy_(...), p.grad.copy_(...)) "
                 "or inside summon_full_params().")
         with torch.no_grad():
-            dst[offset : offset + numel].copy_(src if self.sharded else info.flat_of(src))
+            dst[offset : offset + numel].copy_(self._segment_of(info, src))

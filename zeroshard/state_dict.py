@@ -144,9 +144,8 @@ def _full_param_copies(root) -> tuple[dict[int, torch.Tensor], set[int]]:
             raise RuntimeError(f"zeroshard: state_dict() inside summon_full_params(rank0_only=True) on rank {h.rank}: "
                                f"unit '{h.unit_name}' holds no full parameters here (only rank 0 keeps them). Fix: take "
                                "the state dict outside the block, or only on rank 0.")
-        flat = h.flat_param.detach()
-        outs = ext.unflatten(flat, [i.offset for i in infos], [i.shape for i in infos])
-        outs = [o if i.stride is None else i.unflat(flat[i.offset : i.offset + i.numel]).clone() for o, i in zip(outs, infos)]
+        outs = ext.unflatten(h.flat_param.detach(), [i.offset for i in infos], [i.shape for i in infos])
+        outs = [i.unflat(o.view(-1)) for o, i in zip(outs, infos)]  # each copy holds its segment in memory order
         copies.update(zip(map(id, params), outs))
         if h.sharded:
             sharded.update(map(id, params))
@@ -177,12 +176,21 @@ def buffer_value(v, keep_vars: bool, upcast: bool):
     return v if keep_vars else v.detach()
 
 
+class OffRank0(dict):
+    """The empty dict a rank0_only state dict (model or optimizer) is on other
+    ranks; checkpoint.save refuses to write it (it would replace rank 0's
+    file). Pickled as a plain dict."""
+
+    def __reduce__(self):
+        return dict, ()
+
+
 def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = False):
     """(FULL state dict, the keys of the parameters sharded units hold); ({},
     set()) off rank 0 with rank0_only."""
     with summon_full_params(root, writeback=False, rank0_only=rank0_only, inside_summon=True):
         if rank0_only and root.rank != 0:
-            return {}, set()
+            return OffRank0(), set()
         with plain_module_behaviour():
             raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
             upcast = _upcast_buffer_ids(root)
