@@ -21,7 +21,6 @@ import contextlib
 import os
 import warnings
 
-
 from . import checkpoint, comm
 from .fully_sharded import FullyShardedDataParallel
 from .options import StateDictType
