@@ -247,10 +247,10 @@ def _train_and_compare(rank: int, case: dict) -> dict:
 
 
 def wrapped_with_adamw(model_name, use_orig_params, strategy="FULL_SHARD", hybrid=None, engines=("torch", "zeroshard"), seed=0,
-                       ignored=()):
+                       ignored=(), mp=None):
     """The same seeded model wrapped by each engine, each with its AdamW (lr 1e-2)."""
     case = {**DEFAULTS, "model": model_name, "use_orig_params": use_orig_params, "strategy": strategy, "hybrid": hybrid,
-            "ignored": list(ignored)}
+            "ignored": list(ignored), "mp": mp}
     base = build(model_name, seed=seed)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

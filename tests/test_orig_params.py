@@ -160,19 +160,23 @@ def _l2(model):
     return sum(p.float().pow(2).sum() for p in model.parameters())
 
 
-def _penalty_outside_forward(rank, world_size, strategy, when):
+def _penalty_outside_forward(rank, world_size, strategy, when, micro=1, mp=None):
     """An L2 penalty over model.parameters() computed before the forward (it
     reaches the original parameters through their own AccumulateGrad nodes) or
-    after it (where ZeRO-2 exposes the unsharded parameters the forward used)."""
-    (ref, ours), opts = _engines("mlp", True, strategy)
+    after it (where ZeRO-2 exposes the unsharded parameters the forward used),
+    with ``micro`` backwards accumulating into each step."""
+    (ref, ours), opts = _engines("mlp", True, strategy, mp=mp)
+    if mp is not None:  # AdamW cannot step fp32 parameters with the bf16 grads keep_low_precision_grads gives
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, ours)]
     seen = {}
     for m, o in zip((ref, ours), opts):
         for step in range(3):
-            reg = _l2(m) if when == "before" else None
-            out = m(batch("mlp", rank, step))
-            if when == "after":
-                reg = _l2(m)
-            (out.float().pow(2).mean() + 0.01 * reg).backward()
+            for k in range(micro):
+                reg = _l2(m) if when == "before" else None
+                out = m(batch("mlp", rank, micro * step + k))
+                if when == "after":
+                    reg = _l2(m)
+                (out.float().pow(2).mean() + 0.01 * reg).backward()
             # torch leaves an empty .grad where this rank holds none of a parameter; zeroshard None
             seen.setdefault("grads", []).append([(n, None if p.grad is None or p.numel() == 0 else p.grad.clone())
                                                  for n, p in m.named_parameters()])
@@ -195,6 +199,18 @@ def test_penalty_on_the_original_parameters_matches_torch(ranks, strategy, when)
     .grad at the flat gradient over it). After, under SHARD_GRAD_OP: the penalty
     used to read this rank's 1-D shards instead of the full parameters."""
     assert all(ranks.run(2, _penalty_outside_forward, strategy, when))
+
+
+@pytest.mark.parametrize("strategy,mp", [("FULL_SHARD", None), ("SHARD_GRAD_OP", None), ("NO_SHARD", None),
+                                         ("FULL_SHARD", dict(param_dtype="bfloat16", reduce_dtype="bfloat16",
+                                                             keep_low_precision_grads=True))])
+def test_penalty_with_accumulated_micro_batches_matches_torch(ranks, strategy, mp):
+    """Two backwards per step: the second backward's penalty reaches the
+    grads while the reduction is in flight. NO_SHARD used to count it twice
+    (it was added into the buffer being all-reduced), the sharded strategies
+    added it before the reduced gradient instead of after (a 1-ulp drift), and
+    keep_low_precision_grads dropped it (it went into the low-precision copy)."""
+    assert all(ranks.run(2, _penalty_outside_forward, strategy, "before", 2, mp))
 
 
 def _freeze_a_unit_then_unfreeze(rank, world_size, strategy):

@@ -215,7 +215,7 @@ class FlatParamHandle(OrigParams, FullParams):
         self.state = HandleState.IDLE
         self.ran_pre_backward = self.needs_pre_backward_unshard = self.prefetched = False
         self.post_backward_called = self.grad_accumulated = False
-        self._grads_at_backward = None  # (see absorb_outside_grads) held no longer than one backward
+        self._grads_at_backward = self._outside = None  # (see absorb_outside_grads) held no longer than one backward
         if self.post_backward_hook is not None:
             self.post_backward_hook[1].remove()
             self.post_backward_hook = None
@@ -329,10 +329,14 @@ class FlatParamHandle(OrigParams, FullParams):
         if self.saved_grad_shard is not None:
             self.flat_param.grad = self.saved_grad_shard
             self.saved_grad_shard = None
-            if self.keep_low_precision_grads and self.flat_param.grad.dtype != self.compute_dtype and not self.forced_full_precision:
+            low = self.keep_low_precision_grads and not self.forced_full_precision
+            if self.use_orig_params:  # in full precision, before the cast, as torch adds them
+                self.absorb_outside_grads()
+            if low and self.flat_param.grad.dtype != self.compute_dtype:
                 self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
-        if self.use_orig_params:
+        elif self.use_orig_params:
             self.absorb_outside_grads()
+        if self.use_orig_params:
             self.use_sharded_grad_views()
 
 

@@ -322,6 +322,7 @@ def post_backward(state, flat_param):
         return
     if handle.use_orig_params:
         handle.gradients_computed()
+        handle.detach_grad_views()
     rt = state._runtime
     rt.pending += reduce.start_reduction(handle, rt.bucketer)
 

@@ -39,8 +39,10 @@ class OrigParams:
     # (between steps) until writeback has checked them: only then can the user
     # have replaced them, and one check per exposure is enough.
     orig_exposed: bool = False
-    # The gradient objects the original parameters held when the current backward started.
+    # The gradient objects the original parameters held when the current backward started,
+    # and those autograd gave them before their unit's post-backward (see detach_grad_views).
     _grads_at_backward: list | None = None
+    _outside: dict
 
     def use_sharded_views(self):
         """Re-register the original nn.Parameters as 1-D views of this rank's
@@ -126,6 +128,30 @@ class OrigParams:
         """At the start of a backward: the gradient objects the original
         parameters hold (see :meth:`absorb_outside_grads`)."""
         self._grads_at_backward = [p.grad for p in self.orig_params] if self.use_orig_params else None
+        self._outside = {}
+
+    def _is_outside(self, i: int, grad) -> bool:
+        """``grad`` (parameter ``i``'s now) is one autograd created this backward, not a view of the flat gradient."""
+        g = self.flat_param.grad
+        return (grad is not None and grad is not self._grads_at_backward[i]
+                and not (g is not None and _same_storage(grad, g)))
+
+    def detach_grad_views(self):
+        """At a synchronized post-backward: the original parameters' grads view
+        buffers the asynchronous reduction is still combining (the gradient set
+        aside before backward; under NO_SHARD the very buffer being all-reduced).
+        A loss term on the parameters themselves reaching them later in this
+        backward would add into those mid-flight, or before the reduced
+        gradient instead of after it. torch FSDP1 reduces synchronously and
+        re-points the grads at the accumulated shard at this point; here they
+        are None until the end of backward, and what autograd gives them
+        meanwhile is added in after the reduction (:meth:`absorb_outside_grads`)."""
+        if self._grads_at_backward is None:
+            return
+        for i, p in enumerate(self.orig_params):
+            if self._is_outside(i, p.grad):
+                self._outside[i] = p.grad
+            p.grad = None
 
     def absorb_outside_grads(self):
         """A loss term on the original parameters themselves, outside forward
@@ -134,21 +160,20 @@ class OrigParams:
         ``.grad``, which pointing them at the flat gradient would drop. torch
         FSDP1 adds it into its gradient views; add it into the flat gradient
         here too (this rank's, unreduced, as in torch)."""
-        before = self._grads_at_backward
-        if before is None:
+        if self._grads_at_backward is None:
             return
         g = self.flat_param.grad
-        for i, (p, old) in enumerate(zip(self.orig_params, before)):
-            if p.grad is None or p.grad is old or (g is not None and _same_storage(p.grad, g)):
-                continue
+        for i, p in enumerate(self.orig_params):
+            terms = [t for t in (self._outside.get(i), p.grad if self._is_outside(i, p.grad) else None) if t is not None]
             own = self._own_range(i)
-            if own is None:
+            if not terms or own is None:
                 continue
             if g is None:
                 g = self.flat_param.grad = torch.zeros_like(self.local_shard)
             offset, numel = own
             with torch.no_grad():
-                g[offset : offset + numel].add_(self._segment_of(self.layout.params[i], p.grad))
+                for t in terms:
+                    g[offset : offset + numel].add_(self._segment_of(self.layout.params[i], t))
             self.grad_none.discard(i)
 
     def _own_range(self, i: int) -> tuple[int, int] | None:
