@@ -159,3 +159,49 @@ def _unsupported_combinations(rank, world_size):
 
 def test_unsupported_summon_combinations_and_settings_of_a_plain_module_as_in_torch(ranks):
     assert ranks.run(2, _unsupported_combinations) == [["NotImplementedError"] * 4] * 2
+
+
+
+def _freed_parameters_are_refused(rank, world_size, strategy):
+    """use_orig_params=False: while a unit is sharded its modules' parameter
+    attributes have no memory behind them. torch FSDP1 leaves views of the freed
+    buffer there (reading one segfaults on CPU), so zeroshard is compared with
+    torch only where torch's values are readable; everywhere else it must raise
+    a RuntimeError naming the parameter and the fix, and keep training."""
+    from models import Block
+    models = _both(lambda: build("mlp"), sharding_strategy=getattr(tfsdp.ShardingStrategy, strategy),
+                   auto_wrap_policy=tfsdp.wrap.ModuleWrapPolicy({Block}))
+    ref, ours = models
+    weight = lambda m: m.module.blocks[0].module.l1.weight  # noqa: E731
+    assert weight(ours).shape == weight(ref).shape and weight(ours).dtype == weight(ref).dtype
+    assert repr(ours).count("Linear") == repr(ref).count("Linear")  # still prints and introspects
+
+    def refused():
+        with pytest.raises(RuntimeError, match=r"'l1.weight' of unit 'blocks.0 \(Block\)'.*summon_full_params"):
+            weight(ours).sum()
+
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in models]
+    for step in range(2):
+        outs = [m(batch("mlp", rank, step)) for m in models]
+        if strategy == "FULL_SHARD":
+            refused()
+        else:  # ZeRO-2 keeps the full parameters until backward: readable, as torch's are
+            assert torch.equal(weight(ours), weight(ref))
+        for out, opt in zip(outs, opts):
+            out.float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        refused()
+    values = []
+    for m in models:
+        with m.summon_full_params(m):
+            values.append(weight(m).clone())
+    assert torch.equal(*values)
+    lin = copy.deepcopy(ours.module.blocks[0].module.l1)  # copies a placeholder, not freed memory
+    assert lin.weight.shape == weight(ours).shape and lin.weight is not weight(ours)
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_reading_a_freed_parameter_raises_instead_of_reading_freed_memory(ranks, strategy):
+    assert all(ranks.run(2, _freed_parameters_are_refused, strategy))

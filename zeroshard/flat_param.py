@@ -22,6 +22,7 @@ Rank r keeps the r-th contiguous chunk of ``ceil(numel / N)`` elements.
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -109,6 +110,55 @@ class FlatLayout:
     @property
     def fqns(self) -> list[str]:
         return [p.fqn for p in self.params]
+
+
+class FreedView(torch.Tensor):
+    """What a module's parameter attribute holds while its unit is sharded
+    (``use_orig_params=False``): between steps, and between forward and
+    backward under FULL_SHARD. torch FSDP1 leaves a view of the freed full
+    buffer there, so reading it reads freed memory (a segfault on CPU, garbage
+    on GPU). This placeholder has the parameter's shape and dtype, so the
+    module still prints and introspects, but any computation with it raises,
+    naming the parameter and the fix. No memory is held: its data is one
+    element, expanded."""
+
+    _META = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+             torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__,
+             torch.Tensor.is_leaf.__get__, torch.Tensor.grad.__get__, torch.Tensor.grad_fn.__get__,
+             torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
+             torch.Tensor.__hash__}
+
+    @staticmethod
+    def __new__(cls, shape, dtype: torch.dtype, device, fqn: str, handle):
+        t = torch.Tensor._make_subclass(cls, torch.zeros((), dtype=dtype, device=device).expand(shape))
+        t._fqn, t._handle = fqn, weakref.ref(handle)  # the unit's name is final only after lazy init
+        return t
+
+    @property
+    def _where(self) -> str:
+        handle = self._handle()
+        return f"'{self._fqn}' of unit '{getattr(handle, 'unit_name', '?')}'"
+
+    def __init__(self, *args):
+        pass
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls._META:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        freed = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, FreedView))
+        raise RuntimeError(
+            f"zeroshard: {freed._where} holds only this rank's shard right now (use_orig_params=False "
+            "frees the full parameters outside the unit's forward and backward); its values cannot be "
+            "read or written here (torch FSDP1 would read freed memory). Fix: use it inside "
+            "`with FullyShardedDataParallel.summon_full_params(model):`, or wrap with use_orig_params=True.")
+
+    def __repr__(self, **kwargs):
+        return f"FreedView({tuple(self.shape)}, dtype={self.dtype}: {self._where}, sharded)"
+
+    def __deepcopy__(self, memo):
+        return FreedView(self.shape, self.dtype, self.device, self._fqn, self._handle())
 
 
 def kept_out(ignored_modules, ignored_params) -> set:

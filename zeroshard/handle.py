@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from . import comm, trace, validation
-from .flat_param import FlatLayout, FlatParameter, build_layout, flatten_params, shard_of
+from .flat_param import FlatLayout, FlatParameter, FreedView, build_layout, flatten_params, shard_of
 from .full_params import FullParams
 from .options import ShardingStrategy
 from .orig_params import OrigParams
@@ -148,6 +148,7 @@ class FlatParamHandle(OrigParams, FullParams):
         # The full buffers (compute dtype, and the shard's dtype for
         # summon_full_params under mixed precision), created with no storage.
         self._full_buffers: dict[torch.dtype, torch.Tensor] = {}
+        self._freed_views: list[FreedView] | None = None  # see _placeholder_views
         self.padded = self._full_buffer(self.compute_dtype) if self.sharded else None
         self.padded_bytes = self.layout.padded_numel * self.compute_dtype.itemsize
         # NO_SHARD in the shard's dtype computes on the shard itself: nothing to gather.
@@ -186,18 +187,19 @@ class FlatParamHandle(OrigParams, FullParams):
             self._placeholder_views()
 
     def _placeholder_views(self):
-        """Until the first unshard, the module attributes are views of the freed
-        full buffer, as after every reshard: the module prints and introspects
-        (repr, apply) as under torch FSDP1, though its values are not readable.
-        A buffer still gathered (the root between forward and backward) stays so."""
+        """While the unit is sharded (use_orig_params=False) each module attribute
+        is a :class:`~zeroshard.flat_param.FreedView`: the module prints and
+        introspects (repr, apply, shapes) as under torch FSDP1, and reading its
+        values raises instead of reading freed memory. A buffer still gathered
+        (the root between forward and backward) keeps its real views."""
         full = self._full_buffer(self.compute_dtype)
-        storage = full.untyped_storage()
-        freed = storage.nbytes() == 0  # else gathered and kept (a root between forward and backward)
-        if freed:
-            storage.resize_(full.numel() * full.element_size())  # views need the storage's size
-        views = [p.unflat(full[p.offset : p.offset + p.numel]) for p in self.layout.params]
-        if freed:
-            storage.resize_(0)
+        if full.untyped_storage().nbytes() != 0:
+            views = [p.unflat(full[p.offset : p.offset + p.numel]) for p in self.layout.params]
+        else:
+            if self._freed_views is None or self._freed_views[0].dtype != self.compute_dtype:
+                self._freed_views = [FreedView(p.shape, self.compute_dtype, self.device, p.fqn, self)
+                                     for p in self.layout.params]
+            views = self._freed_views
         for view, info in zip(views, self.layout.params):
             info.module.__dict__[info.name] = view
         for info in self.layout.shared:
@@ -307,6 +309,8 @@ class FlatParamHandle(OrigParams, FullParams):
             self._full = None
             self.unsharded = False
             unsharded_tracker.remove(self)
+            if self.sharded and not self.use_orig_params:
+                self._placeholder_views()
         if self.use_orig_params and sharded_views:
             self.use_sharded_views()
         self.prefetched = False
