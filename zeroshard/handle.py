@@ -330,16 +330,14 @@ class FlatParamHandle(OrigParams, FullParams):
 
     def prepare_gradient_for_optim(self):
         """After a synchronized backward, ``.grad`` is the reduced shard."""
-        if self.saved_grad_shard is not None:
-            self.flat_param.grad = self.saved_grad_shard
-            self.saved_grad_shard = None
-            low = self.keep_low_precision_grads and not self.forced_full_precision
-            if self.use_orig_params:  # in full precision, before the cast, as torch adds them
-                self.absorb_outside_grads()
-            if low and self.flat_param.grad.dtype != self.compute_dtype:
-                self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
-        elif self.use_orig_params:
+        moved = self.saved_grad_shard is not None
+        if moved:
+            self.flat_param.grad, self.saved_grad_shard = self.saved_grad_shard, None
+        if self.use_orig_params:  # in full precision, before the cast below, as torch adds them
             self.absorb_outside_grads()
+        low = self.keep_low_precision_grads and not self.forced_full_precision
+        if moved and low and self.flat_param.grad.dtype != self.compute_dtype:
+            self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
         if self.use_orig_params:
             self.use_sharded_grad_views()
 
