@@ -130,7 +130,8 @@ def test_keys_accepted_but_not_acted_on_are_documented_and_recorded():
     ({"type": "Adam", "params": {"lr": 0.1}}, torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.0}),  # DeepSpeed: adam_w_mode
     ({"type": "adam", "params": {"adam_w_mode": False, "weight_decay": 0.1}}, torch.optim.Adam, {"lr": 1e-3, "weight_decay": 0.1}),
     ({"type": "AdamW", "params": {"betas": [0.8, 0.9], "eps": 1e-6, "torch_adam": True}}, torch.optim.AdamW,
-     {"betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.0}),
+     {"betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.01}),  # torch_adam: torch's AdamW default
+    ({"type": "AdamW", "params": {"lr": 0.1}}, torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.0}),  # FusedAdam's
     ({"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9, "nesterov": True}}, torch.optim.SGD,
      {"lr": 0.5, "momentum": 0.9, "nesterov": True}),
 ])
@@ -163,6 +164,8 @@ def test_warmup_schedules_follow_deepspeeds_formulas():
     fresh = WarmupDecayLR(opt(), total_num_steps=20, warmup_max_lr=1.0, warmup_num_steps=10, warmup_type="linear")
     fresh.load_state_dict(decay.state_dict())
     assert fresh.get_last_lr() == decay.get_last_lr()
+    # WarmupDecayLR's max_lr defaults to 0.001, not the optimizer's lr as WarmupLR's does
+    assert _lrs(WarmupDecayLR(opt(), total_num_steps=20, warmup_num_steps=2, warmup_type="linear"), 3)[-1] == 0.001
 
 
 # --------------------------------------------------------------------- loss scalers

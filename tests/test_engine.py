@@ -81,7 +81,8 @@ def _against_reference(rank, world_size, stage, accum, clip, steps=3, fp16=False
                     loss_ref = ref(x).pow(2).mean()
                     ((loss_ref / accum).float() * scale if fp16 else loss_ref / accum).backward()
                 loss = engine(x).pow(2).mean()
-                engine.backward(loss)
+                returned = engine.backward(loss)
+                assert torch.equal(returned, loss / accum), "DeepSpeed returns loss / accumulation steps, unscaled"
                 assert not fp16 or engine.loss_scaler.loss_scale == scale
                 assert engine.is_gradient_accumulation_boundary() == last
                 engine.step()
@@ -238,6 +239,20 @@ def test_overflow_on_one_rank_skips_the_step_on_all(ranks, stage):
         assert r["skipped"] == plan.count("inf") and r["global_steps"] == len(plan)
 
 
+def _lr_kwargs(rank, world_size):
+    engine, _, _, sched = _engine(0, accum=2)
+    for micro in range(4):
+        engine.backward(engine(batch("mlp", rank, micro)).pow(2).mean())
+        engine.step(lr_kwargs={"last_batch_iteration": 7 + micro})  # reaches the scheduler at boundaries only
+    return sched.last_batch_iteration, engine.get_lr()
+
+
+def test_step_passes_lr_kwargs_to_the_scheduler(ranks):
+    """DeepSpeed's engine.step(lr_kwargs=...) calls lr_scheduler.step(**lr_kwargs)."""
+    it, lr = ranks.run(1, _lr_kwargs)[0]
+    assert it == 10 and lr == pytest.approx([SCHED["warmup_max_lr"]]), (it, lr)  # past warmup: max_lr (rounded)
+
+
 # ----------------------------------------------------------------------- checkpoints
 def _train(engine, rank, steps, start):
     accum = engine.gradient_accumulation_steps()
@@ -269,7 +284,7 @@ def _resume(rank, world_size, stage, ckpt_dir, extra):
     path, got_client = fresh.load_checkpoint(ckpt_dir)  # the tag comes from 'latest'
     assert path == os.path.join(ckpt_dir, "mid", "mp_rank_00_model_states.pt")
     assert _equal_nested(got_client, client)
-    assert (fresh.global_steps, fresh.micro_steps) == (3, 6)
+    assert (fresh.global_steps, fresh.micro_steps) == (3, 0)  # DeepSpeed does not restore micro_steps
     _train(fresh, rank, 3, 3)
     got = ds_checkpoint.model_state_dict(fresh), ds_checkpoint.optimizer_state_dict(fresh), fresh.get_lr()
     assert _equal_nested(expected, got)

@@ -28,6 +28,9 @@ from .options import StateDictType
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = "zero_optim_states.pt"
 _COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+# What a load restores: DeepSpeed's engine does not restore micro_steps, so a
+# resumed run counts its accumulation from 0 whatever micro-step it was saved at.
+_RESTORED = ("global_steps", "global_samples", "skipped_steps")
 
 
 def _full_state(engine):
@@ -132,6 +135,6 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
             engine.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
         if ckpt["loss_scaler"] is not None and engine.loss_scaler is not None:
             engine.loss_scaler.load_state_dict(ckpt["loss_scaler"])
-        for k in _COUNTERS:
+        for k in _RESTORED:
             setattr(engine, k, ckpt[k])
     return path, ckpt["client_state"]

@@ -225,10 +225,10 @@ def _optimizer(sec: dict, unknown: list) -> dict:
             _bool(f"optimizer.params.{k}", params[k])
     adamw = kind == "adamw" or (kind == "adam" and params.pop("adam_w_mode", True))
     params.pop("adam_w_mode", None)
-    params.pop("torch_adam", None)
+    torch_adam = bool(params.pop("torch_adam", False))
     if kind == "sgd" and "lr" not in params:
         raise _bad("optimizer.params.lr", None, "SGD needs a learning rate", 'add "lr" to optimizer.params')
-    return {"type": "sgd" if kind == "sgd" else "adam", "adamw": adamw, "params": params}
+    return {"type": "sgd" if kind == "sgd" else "adam", "adamw": adamw, "torch_adam": torch_adam, "params": params}
 
 
 def build_optimizer(spec: dict, param_groups) -> torch.optim.Optimizer:
@@ -237,7 +237,8 @@ def build_optimizer(spec: dict, param_groups) -> torch.optim.Optimizer:
     if spec["type"] == "sgd":
         return torch.optim.SGD(param_groups, **params)
     params.setdefault("lr", 1e-3)
-    params.setdefault("weight_decay", 0.0)  # DeepSpeed's FusedAdam default, also for "AdamW"
+    if not spec.get("torch_adam"):  # DeepSpeed's FusedAdam default, also for "AdamW"; torch_adam: torch's defaults
+        params.setdefault("weight_decay", 0.0)
     return (torch.optim.AdamW if spec["adamw"] else torch.optim.Adam)(param_groups, **params)
 
 
@@ -348,9 +349,10 @@ class WarmupLR:
 
 
 class WarmupDecayLR(WarmupLR):
-    """WarmupLR, then linear decay to 0 at ``total_num_steps``."""
+    """WarmupLR, then linear decay to 0 at ``total_num_steps``. Unlike WarmupLR's,
+    its ``warmup_max_lr`` defaults to 0.001 (not the optimizer's lr), as in DeepSpeed."""
 
-    def __init__(self, optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000,
+    def __init__(self, optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
                  warmup_type="log", last_batch_iteration=-1):
         self.total_num_steps = total_num_steps
         super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)

@@ -207,12 +207,12 @@ class Engine(nn.Module):
         return self.wrapped(*inputs, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
-        """Backward of loss / gradient_accumulation_steps (x the fp16 loss scale)."""
+        """Backward of loss / gradient_accumulation_steps (x the fp16 loss scale);
+        returns loss / gradient_accumulation_steps, unscaled, as DeepSpeed does."""
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
-        if self.loss_scaler is not None:
-            loss = loss.float() * self.loss_scaler.loss_scale
-        loss.backward(retain_graph=retain_graph)
+        scaled = loss if self.loss_scaler is None else loss.float() * self.loss_scaler.loss_scale
+        scaled.backward(retain_graph=retain_graph)
         return loss
 
     def is_gradient_accumulation_boundary(self) -> bool:
@@ -220,11 +220,12 @@ class Engine(nn.Module):
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
 
     def step(self, lr_kwargs=None) -> None:
+        """At an accumulation boundary: the optimizer step, then ``lr_scheduler.step(**lr_kwargs)``."""
         if self.is_gradient_accumulation_boundary():
-            self._take_model_step()
+            self._take_model_step(lr_kwargs)
         self.micro_steps += 1
 
-    def _take_model_step(self) -> None:
+    def _take_model_step(self, lr_kwargs=None) -> None:
         if self.optimizer is None:
             raise RuntimeError("zeroshard engine: step() without an optimizer. Fix: pass optimizer= or add an 'optimizer' section.")
         if self.zero1 is not None:
@@ -245,7 +246,7 @@ class Engine(nn.Module):
                 self._global_grad_norm = self._clip(self.config.gradient_clipping)
             (self.zero1 or self.optimizer).step()
             if self.lr_scheduler is not None:
-                self.lr_scheduler.step()
+                self.lr_scheduler.step(**(lr_kwargs or {}))
         self.zero_grad()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
