@@ -19,7 +19,8 @@ import zeroshard as zs
 from models import Block, batch, build
 from zeroshard import ds_config
 from zeroshard.accelerate_config import from_accelerate_config
-from zeroshard.ds_config import WarmupDecayLR, WarmupLR, build_optimizer, load_config
+from zeroshard.ds_config import build_optimizer, load_config
+from zeroshard.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
 from zeroshard.loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
 
 MICRO = {"train_micro_batch_size_per_gpu": 4}
@@ -72,6 +73,9 @@ BAD = [
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}}, r"warmup_type = 'cosine': expected 'log' or 'linear'"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, r"warmup_num_steps = 0: expected an integer >= 1"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, r"total_num_steps = None: WarmupDecayLR needs the total"),
+    ({"scheduler": {"type": "WarmupCosineLR", "params": {}}}, r"total_num_steps = None: WarmupCosineLR needs the total"),
+    ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "cos_min_ratio": "x"}}},
+     r"cos_min_ratio = 'x'"),
     ({"fp16": {"enabled": "true"}}, r"fp16.enabled = 'true': expected true or false.*JSON boolean"),
     ({"fp16": True}, r"fp16 = True: expected an object"),
     ({"fp16": {"enabled": True}, "bf16": {"enabled": True}}, r"\"fp16\" and \"bf16\" cannot both be enabled"),
@@ -166,6 +170,28 @@ def test_warmup_schedules_follow_deepspeeds_formulas():
     assert fresh.get_last_lr() == decay.get_last_lr()
     # WarmupDecayLR's max_lr defaults to 0.001, not the optimizer's lr as WarmupLR's does
     assert _lrs(WarmupDecayLR(opt(), total_num_steps=20, warmup_num_steps=2, warmup_type="linear"), 3)[-1] == 0.001
+
+
+@pytest.mark.parametrize("warmup_type", ["log", "linear"])
+def test_warmup_cosine_follows_deepspeeds_formula(warmup_type):
+    """DeepSpeed's WarmupCosineLR, written out here in its order of operations
+    (so the comparison is exact): a ratio of the lr at construction, 0 before
+    the first step."""
+    total, n, lo, end, lr = 20, 5, 0.1, 0.01, 0.5
+
+    def ratio(i):
+        if i < n:
+            g = (1.0 / math.log(n)) * math.log(i + 1) if warmup_type == "log" else i / n
+            return lo + g * (1.0 - lo)
+        half = (1 + math.cos(math.pi * min(1.0, (i - n + 1) / max(1, total - n)))) / 2
+        return max(0.0, end + (1.0 - end) * half)
+
+    sched = WarmupCosineLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr), total_num_steps=total,
+                           warmup_min_ratio=lo, warmup_num_steps=n, cos_min_ratio=end, warmup_type=warmup_type)
+    assert _lrs(sched, 24) == [0.0] + [lr * ratio(i) for i in range(24)]
+    assert sched.optimizer.param_groups[0]["lr"] == lr * end  # past the end: held at cos_min_ratio
+    spec = load_config({**MICRO, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": total}}}, 1).scheduler
+    assert spec == {"type": "WarmupCosineLR", "params": {"total_num_steps": total, "warmup_num_steps": 1000}}
 
 
 # --------------------------------------------------------------------- loss scalers

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 import zeroshard as zs
 from models import Block, batch, build
 from zeroshard import ds_checkpoint
-from zeroshard.ds_config import WarmupLR
+from zeroshard.lr_schedules import WarmupLR
 from zeroshard.engine import initialize
 
 LR, WD = 1e-2, 0.01

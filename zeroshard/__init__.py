@@ -32,7 +32,8 @@ The package reads in lifecycle order:
   simulate    -> alpha-beta step-time model at scale (python -m zeroshard.simulate)
   zero1       -> ZeRO-1: flat fp32 master sharded, gradients reduce-scattered, parameters all-gathered
   loss_scale  -> fp16 static / dynamic loss scaling (DeepSpeed's rules)
-  ds_config   -> DeepSpeed JSON config subset: validation, optimizer, WarmupLR/WarmupDecayLR
+  ds_config   -> DeepSpeed JSON config subset: validation, optimizer
+  lr_schedules -> DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR
   engine      -> zeroshard.initialize: a DeepSpeed-style engine over DDP / ZeRO-1 / FSDP
   ds_checkpoint -> the engine's save_checkpoint / load_checkpoint directories (DeepSpeed layout)
   accelerate_config -> Accelerate fsdp_config -> FullyShardedDataParallel keywords

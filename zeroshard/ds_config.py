@@ -11,12 +11,10 @@ Honored keys:
 * ``gradient_clipping`` (0 = off): global L2 norm, after unscaling.
 * ``optimizer`` {type Adam | AdamW | SGD, params}. As in DeepSpeed, ``Adam``
   is AdamW (decoupled weight decay) unless ``"adam_w_mode": false``, and the
-  default ``weight_decay`` is 0 (FusedAdam's), not torch AdamW's 0.01.
-  ``torch_adam`` is accepted (zeroshard always uses torch.optim).
-* ``scheduler`` {type WarmupLR | WarmupDecayLR, params warmup_min_lr,
-  warmup_max_lr, warmup_num_steps, warmup_type log | linear, total_num_steps}
-  with DeepSpeed's formulas and step counting (lr = min_lr before the first
-  step; ``warmup_max_lr`` defaults to the optimizer's lr).
+  default ``weight_decay`` is 0 (FusedAdam's), not torch AdamW's 0.01, unless
+  ``"torch_adam": true`` asks for torch's optimizer and so its defaults.
+* ``scheduler`` {type WarmupLR | WarmupDecayLR | WarmupCosineLR, params}: see
+  ``lr_schedules`` (DeepSpeed's formulas, defaults and step counting).
 * ``fp16`` {enabled, loss_scale (0 = dynamic), initial_scale_power,
   loss_scale_window, hysteresis, min_loss_scale, consecutive_hysteresis}: see
   ``loss_scale``; ``auto_cast`` (cast floating inputs to fp16 at stages 0/1)
@@ -60,7 +58,8 @@ ZERO_NOT_ACTED_ON = {"stage3_prefetch_bucket_size", "stage3_max_live_parameters"
 OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"},
                     "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"}}
 SCHEDULER_PARAMS = {"WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
-                    "WarmupDecayLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"}}
+                    "WarmupDecayLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"},
+                    "WarmupCosineLR": {"warmup_min_ratio", "cos_min_ratio", "warmup_num_steps", "warmup_type", "total_num_steps"}}
 
 
 def _bad(key: str, value, why: str, fix: str) -> ValueError:
@@ -246,21 +245,21 @@ def _scheduler(sec: dict, unknown: list) -> dict:
     unknown += [f"scheduler.{k}" for k in sec if k not in ("type", "params")]
     kind = sec.get("type")
     if kind not in SCHEDULER_PARAMS:
-        raise _bad("scheduler.type", kind, "zeroshard implements DeepSpeed's WarmupLR and WarmupDecayLR",
-                   'use "WarmupLR" or "WarmupDecayLR" (or pass lr_scheduler=... to initialize)')
+        raise _bad("scheduler.type", kind, "zeroshard implements DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR",
+                   'use one of them (or pass lr_scheduler=... to initialize)')
     params = dict(_section("scheduler.params", sec.get("params", {})))
     for k in [k for k in params if k not in SCHEDULER_PARAMS[kind]]:
         unknown.append(f"scheduler.params.{k}")
         del params[k]
-    for k in ("warmup_min_lr", "warmup_max_lr"):
+    for k in ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio"):
         if params.get(k) is not None:
             params[k] = _number(f"scheduler.params.{k}", params[k])
     params["warmup_num_steps"] = _int("scheduler.params.warmup_num_steps", params.get("warmup_num_steps", 1000), 1)
     if params.get("warmup_type", "log") not in ("log", "linear"):
         raise _bad("scheduler.params.warmup_type", params["warmup_type"], "expected 'log' or 'linear'", 'write "log" or "linear"')
-    if kind == "WarmupDecayLR":
+    if kind != "WarmupLR":
         if "total_num_steps" not in params:
-            raise _bad("scheduler.params.total_num_steps", None, "WarmupDecayLR needs the total number of steps", 'add "total_num_steps"')
+            raise _bad("scheduler.params.total_num_steps", None, f"{kind} needs the total number of steps", 'add "total_num_steps"')
         params["total_num_steps"] = _int("scheduler.params.total_num_steps", params["total_num_steps"], 1)
     return {"type": kind, "params": params}
 
@@ -290,79 +289,3 @@ def _zero(sec: dict, unknown: list) -> ZeroConfig:
         zero.not_acted_on[k] = _number(f"zero_optimization.{k}", sec[k])
     unknown += [f"zero_optimization.{k}" for k in sec if k not in ZERO_KEYS | ZERO_MAPPED | ZERO_NOT_ACTED_ON]
     return zero
-
-
-class WarmupLR:
-    """DeepSpeed's WarmupLR: from warmup_min_lr to warmup_max_lr over warmup_num_steps
-    (log: min + delta * ln(i + 1) / ln(n); linear: min + delta * i / n), then flat.
-
-    ``last_batch_iteration`` counts from -1; construction sets lr = min_lr, and
-    each ``step()`` advances it by one (so after k steps the lr is that of i = k - 1).
-    """
-
-    def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000, warmup_type="log",
-                 last_batch_iteration=-1):
-        self.optimizer = optimizer
-        if warmup_max_lr is None:
-            warmup_max_lr = optimizer.param_groups[0]["lr"]
-        n = len(optimizer.param_groups)
-        self.min_lrs = list(warmup_min_lr) if isinstance(warmup_min_lr, (list, tuple)) else [warmup_min_lr] * n
-        self.max_lrs = list(warmup_max_lr) if isinstance(warmup_max_lr, (list, tuple)) else [warmup_max_lr] * n
-        self.delta_lrs = [hi - lo for hi, lo in zip(self.max_lrs, self.min_lrs)]
-        self.warmup_num_steps = max(2, warmup_num_steps)
-        self.warmup_type = warmup_type
-        self.inverse_log_warm_up = 1.0 / math.log(self.warmup_num_steps)
-        self.last_batch_iteration = last_batch_iteration
-        if last_batch_iteration == -1:
-            self._set(self.get_lr())
-
-    def _gamma(self) -> float:
-        i = self.last_batch_iteration
-        if i < self.warmup_num_steps:
-            return self.inverse_log_warm_up * math.log(i + 1) if self.warmup_type == "log" else i / self.warmup_num_steps
-        return 1.0
-
-    def get_lr(self) -> list[float]:
-        if self.last_batch_iteration < 0:
-            return list(self.min_lrs)
-        gamma = self._gamma()
-        return [lo + d * gamma for lo, d in zip(self.min_lrs, self.delta_lrs)]
-
-    def _set(self, lrs):
-        for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
-        self._last_lr = lrs
-
-    def get_last_lr(self) -> list[float]:
-        return self._last_lr
-
-    def step(self, last_batch_iteration=None):
-        self.last_batch_iteration = self.last_batch_iteration + 1 if last_batch_iteration is None else last_batch_iteration
-        self._set(self.get_lr())
-
-    def state_dict(self) -> dict:
-        return {"last_batch_iteration": self.last_batch_iteration}
-
-    def load_state_dict(self, sd: dict):
-        self.last_batch_iteration = sd["last_batch_iteration"]
-        self._last_lr = self.get_lr()
-
-
-class WarmupDecayLR(WarmupLR):
-    """WarmupLR, then linear decay to 0 at ``total_num_steps``. Unlike WarmupLR's,
-    its ``warmup_max_lr`` defaults to 0.001 (not the optimizer's lr), as in DeepSpeed."""
-
-    def __init__(self, optimizer, total_num_steps, warmup_min_lr=0.0, warmup_max_lr=0.001, warmup_num_steps=1000,
-                 warmup_type="log", last_batch_iteration=-1):
-        self.total_num_steps = total_num_steps
-        super().__init__(optimizer, warmup_min_lr, warmup_max_lr, warmup_num_steps, warmup_type, last_batch_iteration)
-
-    def _gamma(self) -> float:
-        if self.last_batch_iteration < self.warmup_num_steps:
-            return super()._gamma()
-        return max(0.0, (self.total_num_steps - self.last_batch_iteration) / max(1.0, self.total_num_steps - self.warmup_num_steps))
-
-
-def build_scheduler(spec: dict, optimizer):
-    cls = WarmupDecayLR if spec["type"] == "WarmupDecayLR" else WarmupLR
-    return cls(optimizer, **spec["params"])

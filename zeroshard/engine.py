@@ -58,7 +58,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from . import ds_checkpoint, materialize
-from .ds_config import build_optimizer, build_scheduler, load_config
+from .ds_config import build_optimizer, load_config
+from .lr_schedules import build_scheduler
 from .fully_sharded import FullyShardedDataParallel
 from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
 from .options import CPUOffload, MixedPrecision, ShardingStrategy
