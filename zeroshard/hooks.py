@@ -182,6 +182,7 @@ def _note_accumulated(state):
         state._handle.grad_accumulated = True
 
 
+@torch.compiler.disable  # runs eagerly under torch.compile (see FullyShardedDataParallel.forward)
 def post_forward(state, output):
     handle = state._handle
     if handle is not None and handle.state == HandleState.BACKWARD_PRE:
