@@ -125,6 +125,8 @@ class FreedView(torch.Tensor):
     _META = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
              torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__,
              torch.Tensor.is_leaf.__get__, torch.Tensor.grad.__get__, torch.Tensor.grad_fn.__get__,
+             torch.Tensor.is_nested.__get__, torch.Tensor.is_sparse.__get__, torch.Tensor.is_meta.__get__,
+             torch.Tensor.is_quantized.__get__, torch.Tensor.is_cuda.__get__,
              torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
              torch.Tensor.__hash__}
 
