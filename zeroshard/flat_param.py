@@ -117,23 +117,32 @@ class FreedView(torch.Tensor):
     (``use_orig_params=False``): between steps, and between forward and
     backward under FULL_SHARD. torch FSDP1 leaves a view of the freed full
     buffer there, so reading it reads freed memory (a segfault on CPU, garbage
-    on GPU). This placeholder has the parameter's shape and dtype, so the
-    module still prints and introspects, but any computation with it raises,
-    naming the parameter and the fix. No memory is held: its data is one
-    element, expanded."""
+    on GPU). This placeholder answers every question about the parameter's
+    layout as that view would (shape, strides, dtype, device, requires_grad,
+    ...), so the module still prints and introspects, but computing with it
+    raises, naming the parameter and the fix. No memory is held: its data lives
+    on the meta device."""
 
-    _META = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
-             torch.Tensor.ndim.__get__, torch.Tensor.layout.__get__, torch.Tensor.requires_grad.__get__,
-             torch.Tensor.is_leaf.__get__, torch.Tensor.grad.__get__, torch.Tensor.grad_fn.__get__,
-             torch.Tensor.is_nested.__get__, torch.Tensor.is_sparse.__get__, torch.Tensor.is_meta.__get__,
-             torch.Tensor.is_quantized.__get__, torch.Tensor.is_cuda.__get__,
-             torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.element_size,
-             torch.Tensor.__hash__}
+    # Answered by the meta-device data: layout only, never values.
+    _LAYOUT = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.ndim.__get__,
+               torch.Tensor.layout.__get__, torch.Tensor.is_leaf.__get__, torch.Tensor.grad.__get__,
+               torch.Tensor.grad_fn.__get__, torch.Tensor.is_nested.__get__, torch.Tensor.is_sparse.__get__,
+               torch.Tensor.is_quantized.__get__, torch.Tensor.nbytes.__get__, torch.Tensor.itemsize.__get__,
+               torch.Tensor.size, torch.Tensor.stride, torch.Tensor.dim, torch.Tensor.numel,
+               torch.Tensor.element_size, torch.Tensor.is_contiguous, torch.Tensor.is_floating_point,
+               torch.Tensor.is_complex, torch.Tensor.storage_offset, torch.Tensor.__len__, torch.Tensor.__hash__}
+    # Answered for the parameter's real device, and its unit's current requires_grad.
+    _ANSWERS = {torch.Tensor.device.__get__: lambda t: t._device,
+                torch.Tensor.is_meta.__get__: lambda t: False,
+                torch.Tensor.is_cpu.__get__: lambda t: t._device.type == "cpu",
+                torch.Tensor.is_cuda.__get__: lambda t: t._device.type == "cuda",
+                torch.Tensor.requires_grad.__get__: lambda t: t._handle().flat_param.requires_grad}
 
     @staticmethod
-    def __new__(cls, shape, dtype: torch.dtype, device, fqn: str, handle):
-        t = torch.Tensor._make_subclass(cls, torch.zeros((), dtype=dtype, device=device).expand(shape))
-        t._fqn, t._handle = fqn, weakref.ref(handle)  # the unit's name is final only after lazy init
+    def __new__(cls, shape, stride, dtype: torch.dtype, device, fqn: str, handle):
+        stride = stride or torch.empty(shape, device="meta").stride()
+        t = torch.Tensor._make_subclass(cls, torch.empty_strided(shape, stride, dtype=dtype, device="meta"))
+        t._device, t._fqn, t._handle = torch.device(device), fqn, weakref.ref(handle)  # unit names settle at lazy init
         return t
 
     @property
@@ -146,21 +155,24 @@ class FreedView(torch.Tensor):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if func in cls._META:
+        if func in cls._ANSWERS:
+            return cls._ANSWERS[func](args[0])
+        if func in cls._LAYOUT:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         freed = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, FreedView))
         raise RuntimeError(
             f"zeroshard: {freed._where} holds only this rank's shard right now (use_orig_params=False "
-            "frees the full parameters outside the unit's forward and backward); its values cannot be "
-            "read or written here (torch FSDP1 would read freed memory). Fix: use it inside "
-            "`with FullyShardedDataParallel.summon_full_params(model):`, or wrap with use_orig_params=True.")
+            "frees the full parameters outside the unit's forward and backward, and off rank 0 inside "
+            "summon_full_params(rank0_only=True)); its values cannot be read or written here (torch FSDP1 "
+            "would read freed memory). Fix: use it inside `with FullyShardedDataParallel.summon_full_params(model):` "
+            "(on rank 0 only with rank0_only=True), or wrap with use_orig_params=True.")
 
     def __repr__(self, **kwargs):
         return f"FreedView({tuple(self.shape)}, dtype={self.dtype}: {self._where}, sharded)"
 
     def __deepcopy__(self, memo):
-        return FreedView(self.shape, self.dtype, self.device, self._fqn, self._handle())
+        return FreedView(self.shape, self.stride(), self.dtype, self._device, self._fqn, self._handle())
 
 
 def kept_out(ignored_modules, ignored_params) -> set:

@@ -197,7 +197,7 @@ class FlatParamHandle(OrigParams, FullParams):
             views = [p.unflat(full[p.offset : p.offset + p.numel]) for p in self.layout.params]
         else:
             if self._freed_views is None or self._freed_views[0].dtype != self.compute_dtype:
-                self._freed_views = [FreedView(p.shape, self.compute_dtype, self.device, p.fqn, self)
+                self._freed_views = [FreedView(p.shape, p.stride, self.compute_dtype, self.device, p.fqn, self)
                                      for p in self.layout.params]
             views = self._freed_views
         for view, info in zip(views, self.layout.params):
