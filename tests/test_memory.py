@@ -93,3 +93,27 @@ def _dropped_model_is_freed(rank, world_size, use_orig_params):
 def test_dropped_model_is_garbage_collected(ranks, use_orig_params):
     """Hooks held by C++ (on the FlatParameter) must not keep the wrapper alive."""
     assert all(ranks.run(2, _dropped_model_is_freed, use_orig_params))
+
+
+def _state_dict_peak(rank, world_size, use_orig_params, kind):
+    torch.manual_seed(0)
+    model = zs.FSDP(MLP(n_blocks=4), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    model(torch.randn(4, 5)).sum().backward()
+    config = zs.FullStateDictConfig(rank0_only=True, offload_to_cpu=True) if kind == "rank0_only" else None
+    sd_type = zs.StateDictType.SHARDED_STATE_DICT if kind == "sharded" else zs.StateDictType.FULL_STATE_DICT
+    zs.unsharded_tracker.reset_peaks()
+    with zs.FSDP.state_dict_type(model, sd_type, config):
+        sd = model.state_dict()
+    assert zs.unsharded_tracker.peak_units == 1, zs.unsharded_tracker.peak_units
+    assert kind == "rank0_only" and rank != 0 or len(sd) == len(MLP(n_blocks=4).state_dict())
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("kind", ["full", "rank0_only", "sharded"])
+def test_state_dicts_gather_one_unit_at_a_time(ranks, use_orig_params, kind):
+    """As torch FSDP1's state-dict hooks do: a unit's full parameters are copied
+    out and freed before the next unit is gathered, so the peak is one unit on
+    top of the copies (with offload_to_cpu, copies on the CPU), not the whole
+    model twice. zeroshard used to gather every unit at once."""
+    assert all(ranks.run(2, _state_dict_peak, use_orig_params, kind))

@@ -4,8 +4,9 @@
   under their original names (as ``nn.Parameter``s) for the duration of a
   block; with ``writeback`` the changes made inside are copied back into the
   shards on exit.
-* FULL_STATE_DICT (the default): ``state_dict()`` gathers, clones the full
-  parameters and strips the wrapper prefixes, so the keys are the plain
+* FULL_STATE_DICT (the default): ``state_dict()`` gathers one unit at a time,
+  copies its full parameters (to the CPU with ``offload_to_cpu``) and frees it
+  before the next, and strips the wrapper prefixes, so the keys are the plain
   model's and a non-FSDP model loads it with ``strict=True``;
   ``load_state_dict()`` copies a full state dict into the gathered parameters
   and writes it back into the shards.
@@ -128,28 +129,41 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
 
 
 # ------------------------------------------------------------------ state dicts
-def _full_param_copies(root) -> tuple[dict[int, torch.Tensor], set[int]]:
-    """(id(registered full parameter) -> an independent copy, one batched
-    unflatten per unit (the C++ extension when built) instead of a clone each;
-    the ids of those whose unit shards them)."""
-    copies, sharded = {}, set()
-    for u in units_of(root):
-        h = u._handle
-        if h is None:
-            continue
-        infos = h.layout.params
-        params = [info.module._parameters.get(info.name) for info in infos]
-        if h.flat_param.numel() < h.layout.numel or any(p is None for p in params):
-            # Only inside summon_full_params(rank0_only=True) on another rank than 0 (torch asserts there).
-            raise RuntimeError(f"zeroshard: state_dict() inside summon_full_params(rank0_only=True) on rank {h.rank}: "
-                               f"unit '{h.unit_name}' holds no full parameters here (only rank 0 keeps them). Fix: take "
-                               "the state dict outside the block, or only on rank 0.")
-        outs = ext.unflatten(h.flat_param.detach(), [i.offset for i in infos], [i.shape for i in infos])
-        outs = [i.unflat(o.view(-1)) for o, i in zip(outs, infos)]  # each copy holds its segment in memory order
-        copies.update(zip(map(id, params), outs))
-        if h.sharded:
-            sharded.update(map(id, params))
-    return copies, sharded
+def _unit_copies(h) -> list[torch.Tensor]:
+    """Independent copies of one summoned unit's full parameters: one batched
+    unflatten (the C++ extension when built) instead of a clone each."""
+    infos = h.layout.params
+    if h.flat_param.numel() < h.layout.numel or any(info.module._parameters.get(info.name) is None for info in infos):
+        # Only inside summon_full_params(rank0_only=True) on another rank than 0 (torch asserts there).
+        raise RuntimeError(f"zeroshard: state_dict() inside summon_full_params(rank0_only=True) on rank {h.rank}: "
+                           f"unit '{h.unit_name}' holds no full parameters here (only rank 0 keeps them). Fix: take "
+                           "the state dict outside the block, or only on rank 0.")
+    outs = ext.unflatten(h.flat_param.detach(), [i.offset for i in infos], [i.shape for i in infos])
+    return [i.unflat(o.view(-1)) for o, i in zip(outs, infos)]  # each copy holds its segment in memory order
+
+
+@contextlib.contextmanager
+def _key_params(root):
+    """The state-dict walk's view of ``root``: every unit's original names
+    registered (see ``FullParams.register_key_params``), nothing gathered.
+    Yields {id(registered parameter): (handle, index in its layout)}."""
+    where, undo = {}, []
+    try:
+        for u in units_of(root):
+            h = u._handle
+            if h is None:
+                continue
+            if not u._summoning:
+                undo.append((h, h.register_key_params()))
+            for i, info in enumerate(h.layout.params):
+                where[id(info.module._parameters.get(info.name))] = (h, i)
+            for info in h.layout.shared:
+                where[id(info.module._parameters.get(info.name))] = (h, info.prim_index)
+        yield where
+    finally:
+        for h, u in reversed(undo):
+            if u is not None:
+                h.exit_full_params(False, u)
 
 
 def _upcast_buffer_ids(root) -> set[int]:
@@ -185,26 +199,45 @@ class OffRank0(dict):
         return dict, ()
 
 
-def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = False):
+def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = False, offload: bool = False):
     """(FULL state dict, the keys of the parameters sharded units hold); ({},
-    set()) off rank 0 with rank0_only."""
-    with summon_full_params(root, writeback=False, rank0_only=rank0_only, inside_summon=True):
-        if rank0_only and root.rank != 0:
-            return OffRank0(), set()
-        with plain_module_behaviour():
-            raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
-            upcast = _upcast_buffer_ids(root)
-        copies, sharded = _full_param_copies(root)
-        out = {clean_key(k): copies[id(v)] if id(v) in copies else buffer_value(v, keep_vars, id(v) in upcast)
-               for k, v in raw.items()}
-        return out, {clean_key(k) for k, v in raw.items() if id(v) in sharded}
+    set()) off rank 0 with rank0_only.
+
+    As in torch FSDP1, the units are gathered one at a time and each unit's
+    parameters are copied (to the CPU with ``offload``) before the next is
+    gathered: the peak is one unit's full parameters on top of the copies,
+    not the whole model twice."""
+    with _key_params(root) as where, plain_module_behaviour():
+        raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
+        upcast = _upcast_buffer_ids(root)
+        owner = {k: where[id(v)] for k, v in raw.items() if id(v) in where}
+    copies = {}
+    for u in units_of(root):
+        h = u._handle
+        if h is None:
+            continue
+        with summon_full_params(u, recurse=False, writeback=False, rank0_only=rank0_only, inside_summon=True):
+            if rank0_only and root.rank != 0:
+                continue
+            copies[h] = [c.cpu() for c in _unit_copies(h)] if offload else _unit_copies(h)
+    if rank0_only and root.rank != 0:
+        return OffRank0(), set()
+    out = {}
+    for k, v in raw.items():
+        if k in owner:
+            h, i = owner[k]
+            out[clean_key(k)] = copies[h][i]
+        else:
+            v = buffer_value(v, keep_vars, id(v) in upcast)
+            out[clean_key(k)] = v.cpu() if offload else v
+    return out, {clean_key(k) for k, (h, _) in owner.items() if h.sharded}
 
 
 def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     kind, config = root._state_dict_type, root._state_dict_config
     if kind == StateDictType.FULL_STATE_DICT:
         rank0_only = isinstance(config, FullStateDictConfig) and config.rank0_only
-        return _full_state_dict(root, prefix, keep_vars, rank0_only)[0]
+        return _full_state_dict(root, prefix, keep_vars, rank0_only, getattr(config, "offload_to_cpu", False))[0]
     if kind == StateDictType.SHARDED_STATE_DICT:
         mesh = device_mesh(root)
         full, row_keys = _full_state_dict(root, prefix, keep_vars)
