@@ -8,8 +8,8 @@
   copies its full parameters (to the CPU with ``offload_to_cpu``) and frees it
   before the next, and strips the wrapper prefixes, so the keys are the plain
   model's and a non-FSDP model loads it with ``strict=True``;
-  ``load_state_dict()`` copies a full state dict into the gathered parameters
-  and writes it back into the shards.
+  ``load_state_dict()`` copies a full state dict into each unit's gathered
+  parameters in turn and writes them back into the shards.
 * LOCAL_STATE_DICT: each rank's flat shards, see ``local_state``.
 * SHARDED_STATE_DICT: the plain model's keys, each parameter of a sharded
   unit a DTensor of this rank's rows (see ``sharded_state``: ``Shard(0)``
@@ -268,9 +268,10 @@ def _normalize_full(state_dict, current: dict) -> dict:
         warnings.warn(f"zeroshard: load_state_dict stripped a 'module.' (DDP) or '{WRAPPED_PREFIX}' (FSDP) prefix from "
                       f"{len(stripped)} key(s), e.g. '{stripped[0]}'; this model's keys are the plain model's.", stacklevel=4)
     for k, v in out.items():
-        if k in current and torch.is_tensor(v) and tuple(v.shape) != tuple(current[k].shape):
+        want = getattr(current.get(k), "shape", current.get(k))  # a tensor, or a shape
+        if k in current and torch.is_tensor(v) and tuple(v.shape) != tuple(want):
             raise RuntimeError(f"zeroshard: load_state_dict: '{k}' has shape {tuple(v.shape)} in the state dict but "
-                             f"{tuple(current[k].shape)} in the model. Fix: load a state dict saved from the same model "
+                             f"{tuple(want)} in the model. Fix: load a state dict saved from the same model "
                              "configuration.")
     return out
 
@@ -298,17 +299,33 @@ def load(root, state_dict, strict: bool = True):
         state_dict = {k: from_row_shard(state_dict[k]) for k in sorted(state_dict)}
         kind = StateDictType.FULL_STATE_DICT
     if kind == StateDictType.FULL_STATE_DICT:
-        with summon_full_params(root, writeback=True):
+        # As torch FSDP1: the units' parameters are loaded one unit at a time
+        # (gathered, copied into, written back and freed); buffers and ignored
+        # parameters through nn.Module's own load.
+        with _key_params(root) as where:
             with plain_module_behaviour():
                 current = nn.Module.state_dict(root, keep_vars=True)
+            owner = {clean_key(k): where[id(v)] for k, v in current.items() if id(v) in where}
+            shapes = {k: h.layout.params[i].shape for k, (h, i) in owner.items()}
             actual = {clean_key(k): k for k in current}
             try:
-                state_dict, problem = _normalize_full(state_dict, {clean_key(k): v for k, v in current.items()}), None
+                state_dict, problem = _normalize_full(state_dict, {**{clean_key(k): v for k, v in current.items()}, **shapes}), None
             except RuntimeError as e:
                 problem = e
             _raise_if_any_rank_failed(root, problem)
-            result = nn.Module.load_state_dict(root, {actual.get(k, k): v for k, v in state_dict.items()}, strict=False)
-        missing, unexpected = [clean_key(k) for k in result.missing_keys], [clean_key(k) for k in result.unexpected_keys]
+            result = nn.Module.load_state_dict(root, {actual.get(k, k): v for k, v in state_dict.items() if k not in owner},
+                                               strict=False)
+        for u in units_of(root):
+            h = u._handle
+            mine = [(k, i) for k, (o, i) in owner.items() if o is h and k in state_dict]
+            if h is None or not mine:
+                continue
+            with summon_full_params(u, recurse=False, writeback=True), torch.no_grad():
+                for k, i in mine:  # an alias (tied weights) loads again: the last key wins, as in nn.Module
+                    info = h.layout.params[i]
+                    info.module._parameters[info.name].copy_(state_dict[k])
+        missing = [clean_key(k) for k in result.missing_keys if clean_key(k) not in owner or clean_key(k) not in state_dict]
+        unexpected = [clean_key(k) for k in result.unexpected_keys]
         if strict and (missing or unexpected):  # nn.Module's error, with the plain model's names as torch FSDP1 gives
             errors = [f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + ". "
                       for what, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
