@@ -3,10 +3,12 @@
 ``import zeroshard as fsdp`` then ``fsdp.FullyShardedDataParallel(model, ...)``.
 The package reads in lifecycle order:
 
+  options     -> ShardingStrategy, BackwardPrefetch, MixedPrecision, CPUOffload, StateDictType + configs
   materialize -> meta-device init unit by unit, sync_module_states
   groups      -> shard / replicate process groups for hybrid sharding
   flat_param  -> a unit's parameters as one padded 1-D buffer (+ layout math)
   handle      -> shard / unshard (all-gather) / reshard (free) of that buffer
+  orig_params -> use_orig_params: original parameters as views of the shard, user changes written back
   reduce      -> reduce-scatter of the flat gradient, torch's divide factors
   comm_hooks  -> register_comm_hook: replace the gradient collective (compression hooks)
   bucket      -> small units: bucketed reductions (bucket_cap_mb), persistent units
@@ -16,10 +18,12 @@ The package reads in lifecycle order:
   hooks       -> when each step runs in forward / backward, and prefetch
   wrap        -> which submodules become units (auto-wrap policies)
   fully_sharded -> the FullyShardedDataParallel module itself
-  mixed_precision -> buffer and forward-input casts (the FlatParameter casts are in handle)
+  mixed_precision -> buffer and forward-input casts (param_dtype: handle; reduce_dtype: reduce)
   validation  -> checks before sharding (dtype, requires_grad, same layout on all ranks)
   grad_norm   -> clip_grad_norm_ over shards
-  state_dict  -> summon_full_params, full, local and sharded (DCP) state dicts
+  full_params -> one unit's summon_full_params: its full parameters under their original names
+  state_dict  -> summon_full_params over the units, full and sharded (DCP) state dicts
+  local_state -> LOCAL_STATE_DICT: each rank's flat shards, in torch FSDP1's format
   sharded_state -> SHARDED tensors: this rank's rows as DTensors (1-D, or 2-D for hybrid) for DCP
   optim_state -> optimizer state dicts: each unit's sharded states gathered (FULL) or cut into rows (SHARDED)
   optim_load  -> the inverse: a checkpoint's optimizer state cut back to this rank's shards
@@ -38,6 +42,7 @@ The package reads in lifecycle order:
   ds_checkpoint -> the engine's save_checkpoint / load_checkpoint directories (DeepSpeed layout)
   accelerate_config -> Accelerate fsdp_config -> FullyShardedDataParallel keywords
   compat.hfai -> hfai-style front end
+  demo        -> the main job: a character-level GPT, zeroshard vs torch FSDP1 (python -m zeroshard demo)
   testing     -> rank pools, assert_parity vs torch FSDP1 (python -m zeroshard.testing), hypothesis strategies
   examples    -> runnable tutorials (python -m zeroshard.examples.<name>); docs/walkthrough.md
 """

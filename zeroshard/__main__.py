@@ -1,4 +1,9 @@
-"""``python -m zeroshard <command>``: ``demo`` trains a small GPT on CPU ranks."""
+"""``python -m zeroshard <command>``: ``demo`` trains a small GPT on CPU ranks.
+
+No part of ZeRO lives here: it only dispatches to a command's module
+(``zeroshard.demo``, which trains with FULL_SHARD by default, next to torch
+FSDP1 as the reference).
+"""
 import sys
 
 COMMANDS = {"demo": "zeroshard.demo"}

@@ -1,5 +1,11 @@
 """Atomic checkpoints: a save that dies midway never destroys the last good one.
 
+This is how FSDP's model and optimizer state dicts reach disk: a FULL one
+(or each rank's LOCAL shards) as a single file written by :func:`save`, a
+SHARDED one as a DCP directory written by :func:`save_sharded`. The engine's
+DeepSpeed-style checkpoints (``ds_checkpoint``) write their files with
+:func:`save` too.
+
 Single files. ``torch.save(obj, path)`` truncates ``path`` first and then
 writes it, so a process killed mid-write (preemption, OOM killer, SIGKILL)
 leaves neither the old nor the new checkpoint. :func:`save` writes a

@@ -1,10 +1,14 @@
 """Batched flatten/unflatten copies: optional C++/CUDA extension plus a pure-torch fallback.
 
-ZeRO-3/FSDP role: ``flatten``/``flatten_into`` build the FlatParameter and the flat
-gradient buffer handed to reduce-scatter; ``unflatten``/``unflatten_into`` materialize
-per-parameter tensors for state dicts and ``summon_full_params``. Both backends write
-identical bytes; the extension only makes many-tensor copies fast (one parallel pass on
-CPU, one kernel launch on CUDA).
+ZeRO-3/FSDP role: ``flatten`` builds the FlatParameter from a unit's parameters
+(``flat_param.flatten_params``) and the per-dtype buffers that ``sync_module_states``
+broadcasts; ``unflatten_into`` copies those broadcast values back into the module, and
+``unflatten`` gives the independent per-parameter copies of FULL and SHARDED state
+dicts. The FSDP flat gradient needs none of them: autograd writes it through the
+parameters' views. ZeRO-1 (``zero1``) flattens its fp32 master and each step's
+gradients with ``flatten`` and writes the gathered parameters back with a
+:class:`CopyPlan`. Both backends write identical bytes; the extension only makes
+many-tensor copies fast (one parallel pass on CPU, one kernel launch on CUDA).
 
 All four functions are raw data movement: no autograd history is recorded, whatever
 ``requires_grad`` says. Overlapping destination ranges give unspecified results.
@@ -143,7 +147,8 @@ def unflatten(flat: Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]
 
 class CopyPlan:
     """``flatten_into``/``unflatten_into`` for a FIXED list of tensors, validated once and
-    replayed: the copies a FlatParamHandle (or ZeRO-1's partition) repeats every step.
+    replayed: the copies a caller repeats every step (ZeRO-1's partitions write the
+    gathered parameters back with one).
 
     The one-shot functions pay per tensor and per call to unpack the Python list and to
     check dtype, device, bounds and storage (~30-100 ns a tensor: more than copying a

@@ -115,13 +115,13 @@ class FlatLayout:
 class FreedView(torch.Tensor):
     """What a module's parameter attribute holds while its unit is sharded
     (``use_orig_params=False``): between steps, and between forward and
-    backward under FULL_SHARD. torch FSDP1 leaves a view of the freed full
-    buffer there, so reading it reads freed memory (a segfault on CPU, garbage
-    on GPU). This placeholder answers every question about the parameter's
-    layout as that view would (shape, strides, dtype, device, requires_grad,
-    ...), so the module still prints and introspects, but computing with it
-    raises, naming the parameter and the fix. No memory is held: its data lives
-    on the meta device."""
+    backward under FULL_SHARD / HYBRID_SHARD. torch FSDP1 leaves a view of the
+    freed full buffer there, so reading it reads freed memory (a segfault on
+    CPU, garbage on GPU). This placeholder answers every question about the
+    parameter's layout as that view would (shape, strides, dtype, device,
+    requires_grad, ...), so the module still prints and introspects, but
+    computing with it raises, naming the parameter and the fix. No memory is
+    held: its data lives on the meta device."""
 
     # Answered by the meta-device data: layout only, never values.
     _LAYOUT = {torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.ndim.__get__,

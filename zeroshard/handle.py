@@ -30,7 +30,8 @@ from .quantize import QuantizedGather
 from .working_set import unsharded_tracker
 
 # Strategies that free parameters after forward (ZeRO-3) rather than keeping
-# them until the end of backward (ZeRO-2).
+# them gathered until the unit's own post-backward (ZeRO-2; inside no_sync,
+# until the next forward).
 RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 

@@ -4,8 +4,9 @@ For one unit (a FullyShardedDataParallel instance with its FlatParamHandle):
 
   pre-forward    all-gather the unit's parameters (unless prefetched), maybe
                  prefetch the next unit's (``forward_prefetch``)
-  post-forward   free them again (FULL_SHARD; not the root, which backward
-                 needs first), hook the outputs for the pre-backward
+  post-forward   free them again (FULL_SHARD / HYBRID_SHARD; not the root,
+                 which backward needs first), hook the outputs for the
+                 pre-backward
   pre-backward   (first gradient reaching the unit's outputs) all-gather again,
                  prefetch the unit that runs backward next (BACKWARD_PRE)
   post-backward  (flat gradient accumulated) free the parameters, prefetch

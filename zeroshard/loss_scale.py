@@ -1,5 +1,9 @@
 """Loss scaling for fp16 training: DeepSpeed's static and dynamic loss scalers.
 
+They serve the DeepSpeed-style engine (``engine``, ``zeroshard.initialize``),
+which scales the loss and skips overflowing steps over DDP, ZeRO-1 or FSDP;
+FullyShardedDataParallel itself, like torch FSDP1, does no loss scaling.
+
 fp16 has 5 exponent bits: gradients smaller than about 6e-8 flush to zero.
 Multiplying the loss by S before ``backward`` multiplies every gradient by S
 (the chain rule is linear), lifting small gradients into fp16's range; the

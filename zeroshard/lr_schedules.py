@@ -1,5 +1,7 @@
 """DeepSpeed's LR schedules (``deepspeed/runtime/lr_schedules.py``) with its
-formulas and step counting, for configs run through ``zeroshard.initialize``.
+formulas and step counting, for configs run through ``zeroshard.initialize``:
+the DeepSpeed-style engine (``engine``) builds one from its config's
+``scheduler`` section and steps it; FullyShardedDataParallel never uses them.
 
 All three count ``last_batch_iteration`` i from -1: construction sets the LR of
 i = -1, and each ``step()`` (once per optimizer step, at accumulation

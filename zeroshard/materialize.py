@@ -7,9 +7,11 @@
   ``to_empty`` + ``reset_parameters()``, in torch FSDP1's breadth-first order
   so that the random streams, and hence the values, match it. As in torch,
   one meta state makes the whole unit re-initialized, real modules included.
-* **sync_module_states**: rank 0's parameters and buffers are broadcast (one
-  flat buffer, one collective per group) so ranks that initialized differently
-  start identical.
+* **sync_module_states**: rank 0's parameters and buffers are broadcast so
+  that ranks that initialized differently start identical. They are packed
+  into one flat buffer per dtype, and each buffer is broadcast once per
+  process group (the shard group, then the replicate group under hybrid
+  sharding) from that group's first rank.
 """
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """Mixed precision around the ZeRO lifecycle: what is cast, and when.
 
 ``MixedPrecision`` (options) names three dtypes. The FlatParameter's copies
-are cast where they are made (``handle``: ``param_dtype`` for the gathered
-buffer, ``reduce_dtype`` for the gradient before reduce-scatter); this module
-holds the two casts that happen outside a FlatParameter, as torch FSDP1 does
-them:
+are cast where they are made: ``handle.unshard`` casts the shard to
+``param_dtype`` before the all-gather, ``reduce.start_reduction`` casts the
+gradient to ``reduce_dtype`` before the collective and ``reduce._accumulate``
+casts the reduced gradient back to the parameter dtype. This module holds the
+two casts that happen outside a FlatParameter, as torch FSDP1 does them:
 
 * buffers are cast once, at the root's lazy init, to the ``buffer_dtype`` of
   the innermost unit holding them (their original dtype is remembered so that

@@ -1,5 +1,6 @@
-"""Optimizer state dicts: ZeRO-1's sharded optimizer state, gathered and
-scattered for checkpoints.
+"""Optimizer state dicts of FSDP units, under every sharding strategy: each
+rank's sharded optimizer state, gathered and scattered for checkpoints (the
+ZeRO-1 optimizer in ``zero1`` has state dicts of its own).
 
 Under ZeRO every rank's optimizer only ever sees this rank's shard: with
 ``use_orig_params=False`` one state per FlatParameter (1-D, ``shard_numel``

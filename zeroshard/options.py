@@ -20,7 +20,7 @@ class ShardingStrategy(enum.Enum):
 
     FULL_SHARD is ZeRO-3 (parameters freed after forward and re-gathered for
     backward), SHARD_GRAD_OP is ZeRO-2 (parameters stay gathered from forward
-    until the end of backward), NO_SHARD is plain data parallelism (one
+    until the unit's own backward), NO_SHARD is plain data parallelism (one
     all-reduce per unit). The hybrid strategies shard inside a group and
     replicate across groups.
     """

@@ -4,8 +4,10 @@ torch FSDP1 (and zeroshard) let the optimizer hold the module's own
 parameters instead of one FlatParameter. Between steps each original parameter
 is a 1-D view of its slice of this rank's shard (empty where the shard holds
 none of it), and its ``.grad`` a view of the same slice of the sharded
-gradient, so an optimizer step updates the shard in place. While the unit
-computes, the module sees plain views of the all-gathered buffer instead.
+gradient, so an optimizer step updates the shard in place. Under NO_SHARD,
+where each rank holds the whole flat buffer, both are full-shape views of
+their segment instead. While the unit computes, the module sees plain views
+of the all-gathered buffer instead.
 
 Users may still change those parameters between steps without going through
 the views: assign ``p.data = ...`` or a new Parameter to the module, assign

@@ -11,9 +11,10 @@ payload), and every rank dequantizes the same bytes into the compute dtype,
 so all ranks compute with identical (slightly perturbed) weights.
 
 Only the all-gathered copy is quantized: the fp32 master shard the optimizer
-steps is untouched, gradients are reduce-scattered in full precision, and
-``summon_full_params`` / state dicts gather exactly. The gradient is the one
-of the dequantized weights (a straight-through estimate for the master).
+steps is untouched, gradients are reduce-scattered unquantized (in
+``reduce_dtype``, as without qwZ), and ``summon_full_params`` / state dicts
+gather exactly. The gradient is the one of the dequantized weights (a
+straight-through estimate for the master).
 
 Use: ``FullyShardedDataParallel(model, quantized_all_gather=Int8BlockQuant(block_size=256))``.
 """

@@ -8,7 +8,9 @@ across steps); NO_SHARD all-reduces the whole gradient like DDP.
 Averaging is split into a division before the sum and one after, with torch
 FSDP1's factors, so that fp32 results match it bit for bit and low-precision
 sums stay in range: pre starts at 1 and doubles while N is divisible by it
-and N / pre > pre (2 for N = 2, 3, 4; 4 for N = 6 to 16), post = N / pre.
+and N / pre > pre, post = N / pre. So pre is 2 for N = 2 to 5 and every odd
+N > 1, 4 for every even N from 6 to 18, and 8 for every multiple of 4 from 20
+to 68.
 
 With hybrid sharding the reduce-scattered shard is then all-reduced across
 replica groups, and the factors are those of the whole data-parallel size.
