@@ -10,7 +10,10 @@ import pickle
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 
+import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
@@ -188,3 +191,67 @@ def test_cli_reports_parity_and_a_difference(tmp_path):
     assert "differ at step 0, output of 'output'" in bad.stdout, bad.stdout
     usage = subprocess.run([sys.executable, "-m", "zeroshard.testing"], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "parity" in usage.stderr
+
+
+# ------------------------------------------------------------------ the launchers' own failures
+def _returns_unpicklable(rank, world_size):
+    return threading.Lock()
+
+
+def _fails_parity_on_rank_1(rank, world_size):
+    if rank == 1:
+        raise ParityError(3, "grad", "w", 1e-7, rank)
+    return True
+
+
+def _sleeps_on_rank_1(rank, world_size):
+    if rank == 1:
+        time.sleep(60)
+    return rank
+
+
+def test_launcher_failures_are_reported_as_what_they_are():
+    """An unpicklable result used to look like a hang (the full timeout, then
+    'ranks without a result'); a ParityError reached the caller as a
+    RuntimeError (pytest.raises(ParityError) and hypothesis could not see it);
+    a pool broken by a hang refused every later task."""
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="cannot be sent back to the parent"):
+        spawn(_returns_unpicklable, 1, timeout=120)
+    assert time.monotonic() - start < 60
+    with pytest.raises(ParityError) as info:
+        spawn(_fails_parity_on_rank_1, 2, timeout=120)
+    assert (info.value.step, info.value.what, info.value.rank) == (3, "grad", 1)
+    assert any("failed on rank(s) [1] of 2" in note for note in info.value.__notes__)
+    with pytest.raises(ValueError, match="cannot be sent to the ranks"):
+        spawn(lambda r, w: r, 2)
+    pool = RankPool(2)
+    try:
+        assert pool.run(_returns_rank) == [0, 1]  # started
+        with pytest.raises(TimeoutError, match=r"ranks without a result: \[1\]"):
+            pool.run(_sleeps_on_rank_1, timeout=5)
+        assert pool.broken
+        assert pool.run(_returns_rank) == [0, 1]  # the pool starts fresh ranks
+    finally:
+        pool.close()
+
+
+def _returns_rank(rank, world_size):
+    return rank
+
+
+def test_cli_usage_errors_exit_2_before_any_rank_starts():
+    for argv in (["parity", "nosuchmod:make_model"], ["parity", "models:MLP", "--wrap", "transformer"]):
+        out = subprocess.run([sys.executable, "-m", "zeroshard.testing", *argv], capture_output=True, text=True,
+                             timeout=120, cwd=str(__import__("pathlib").Path(__file__).parent))
+        assert out.returncode == 2 and "error:" in out.stderr and "Traceback" not in out.stderr, out.stderr
+
+
+def test_default_input_reads_the_first_layer_and_state_dict_differences_are_at_the_end():
+    from zeroshard.testing.parity import default_input
+
+    conv_first = torch.nn.Sequential(torch.nn.Conv1d(3, 4, 2), torch.nn.Flatten(), torch.nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="cannot guess an input"):
+        default_input(conv_first)  # used to feed the Linear's (4, 4) features to the Conv1d
+    assert default_input(torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU()))(0, 0).shape == (4, 5)
+    assert "differ at the end, state_dict of 'w'" in str(ParityError(3, "state_dict", "w", 1e-7, 0))

@@ -69,6 +69,24 @@ def cli_rank(rank, world_size, args: dict):
         return {"ok": False, "report": str(e), "name": e.name, "what": e.what, "step": e.step}
 
 
+def _usage_problem(args: dict) -> str | None:
+    """What makes these options unusable, found here before any rank starts."""
+    if args["wrap"] in ("module", "transformer") and not args["wrap_class"]:
+        return f"--wrap {args['wrap']} needs at least one --wrap-class NAME"
+    if args["cwd"] not in sys.path:
+        sys.path.insert(0, args["cwd"])
+    factory_module = args["factory"].rpartition(":")[0]
+    for what, spec, default in [("factory", args["factory"], None), *(("--wrap-class", c, factory_module) for c in args["wrap_class"]),
+                                ("--input", args["input"], factory_module), ("--loss", args["loss"], factory_module)]:
+        if spec is None:
+            continue
+        try:
+            resolve(spec, default)
+        except Exception as e:  # noqa: BLE001 - any import or lookup failure is the user's spec
+            return f"cannot find the {what} {spec!r} ({type(e).__name__}: {e})"
+    return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m zeroshard.testing", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -95,6 +113,11 @@ def main(argv=None) -> int:
     q.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are stopped")
     args = vars(p.parse_args(argv))
     args["cwd"] = os.getcwd()
+    problem = _usage_problem(args)
+    if problem:
+        p.print_usage(sys.stderr)
+        print(f"python -m zeroshard.testing parity: error: {problem}", file=sys.stderr)
+        return 2
     try:
         results = spawn(cli_rank, args["world_size"], args, timeout=args["timeout"])
     except (RuntimeError, TimeoutError) as e:

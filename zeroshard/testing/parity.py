@@ -57,7 +57,7 @@ class ParityError(AssertionError):
     def __init__(self, step, what, name, max_abs_diff, rank, detail=""):
         self.step, self.what, self.name = step, what, name
         self.max_abs_diff, self.rank, self.detail = max_abs_diff, rank, detail
-        where = "before training" if step is None else f"step {step}"
+        where = "before training" if step is None else "the end" if what == "state_dict" else f"step {step}"
         diff = "" if max_abs_diff is None else f": max |diff| {max_abs_diff:.3e}"
         extra = f" ({detail})" if detail else ""
         super().__init__(f"zeroshard vs torch FSDP1 differ at {where}, {what} of '{name}' on rank {rank}{diff}{extra}")
@@ -100,14 +100,15 @@ class ParityReport:
 
 # ------------------------------------------------------------------ defaults
 def default_input(model: nn.Module, batch: int = 4, seq: int = 8) -> Callable[[int, int], torch.Tensor]:
-    """``make_input(rank, step)`` guessed from the model's first layer: random
+    """``make_input(rank, step)`` guessed from the model's first layer (the
+    first module, in registration order, with parameters of its own): random
     features for a Linear, token ids for an Embedding. Each rank and step gets
     different data, so the gradient reduction has something to average."""
-    for m in model.modules():
-        if isinstance(m, nn.Linear):
-            return functools.partial(_random_batch, "features", (batch, m.in_features), None)
-        if isinstance(m, nn.Embedding):
-            return functools.partial(_random_batch, "tokens", (batch, seq), m.num_embeddings)
+    first = next((m for m in model.modules() if next(m.parameters(recurse=False), None) is not None), None)
+    if isinstance(first, nn.Linear):
+        return functools.partial(_random_batch, "features", (batch, first.in_features), None)
+    if isinstance(first, nn.Embedding):
+        return functools.partial(_random_batch, "tokens", (batch, seq), first.num_embeddings)
     raise ValueError("zeroshard.testing.assert_parity: cannot guess an input for a model whose first layer is neither "
                      "nn.Linear nor nn.Embedding. Fix: pass make_input=lambda rank, step: <the model's input>.")
 
@@ -343,6 +344,8 @@ def assert_parity(
     models = {e: wrap_with(e, copy.deepcopy(base), config) for e in ENGINES}
     del base
     shown = {k: _show(v) for k, v in config.items() if k not in ("group", "fsdp_kwargs") and v not in (None, False, {})}
+    if world == 1 and shown.get("sharding_strategy") not in (None, "NO_SHARD"):
+        shown["sharding_strategy"] += " (NO_SHARD on 1 rank, in both engines)"
     report = ParityReport(world_size=world, steps=steps, config=shown)
 
     names = {e: [_clean(n) for n, _ in models[e].named_parameters()] for e in ENGINES}
@@ -394,7 +397,9 @@ def assert_parity(
         report.params += n
         _agree(bad, group)
 
-    sds = {e: models[e].state_dict() for e in ENGINES}  # FULL_STATE_DICT, the default of both
+    with warnings.catch_warnings():  # torch's NO_SHARD "full_state_dict will be returned", once per call
+        warnings.simplefilter("ignore")
+        sds = {e: models[e].state_dict() for e in ENGINES}  # FULL_STATE_DICT, the default of both
     keys = {e: [_clean(k) for k in sds[e]] for e in ENGINES}
     bad = None
     if keys["torch"] != keys["zeroshard"]:

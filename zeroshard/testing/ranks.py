@@ -15,6 +15,7 @@ import os
 import pickle
 import queue
 import socket
+import sys
 import time
 import traceback
 from datetime import timedelta
@@ -28,6 +29,55 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _result(value) -> tuple[str, object]:
+    """("ok", the value pickled), or ("error", why) if it cannot cross to the
+    parent: a queue pickles in a background thread, where a failure is lost
+    and the parent would wait for a result that never comes."""
+    try:
+        return "ok", pickle.dumps(value)
+    except Exception as e:  # noqa: BLE001
+        return "error", (f"the function returned a value that cannot be sent back to the parent ({e!r}). "
+                         "Fix: return plain data (numbers, strings, tensors, lists, dicts).", None)
+
+
+def _failure() -> tuple[str, object]:
+    """("error", (traceback text, the exception pickled if it can be, for the parent to re-raise))."""
+    exc = sys.exc_info()[1]
+    try:
+        blob = pickle.dumps(exc) if isinstance(exc, AssertionError) else None
+    except Exception:  # noqa: BLE001
+        blob = None
+    return "error", (traceback.format_exc(), blob)
+
+
+def _raise_failures(name: str, errors: dict, world_size: int):
+    """Every failing rank's traceback in one error. If every one of them failed
+    an assertion (a ParityError included), the lowest rank's assertion is
+    re-raised as itself, the tracebacks added as notes, so that pytest and
+    hypothesis see the real failure instead of a RuntimeError."""
+    msg = "\n".join(f"--- rank {r} ---\n{errors[r][0]}" for r in sorted(errors))
+    where = f"{name} failed on rank(s) {sorted(errors)} of {world_size}"
+    if all(blob is not None for _, blob in errors.values()):
+        exc = pickle.loads(errors[min(errors)][1])
+        exc.add_note(f"{where}:\n{msg}")
+        raise exc
+    raise RuntimeError(f"{where}:\n{msg}")
+
+
+def _check_sendable(fn, args, who: str):
+    """Refuse, in the parent, what the ranks could not receive."""
+    main = sys.modules.get("__main__")
+    if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
+        raise ValueError(f"zeroshard.testing.{who}: {getattr(fn, '__name__', fn)} is defined in an interactive "
+                         "__main__ (python -c, stdin, a notebook), which the ranks cannot import. Fix: define it "
+                         "in a file and import it from there.")
+    try:
+        pickle.dumps((fn, args))
+    except Exception as e:
+        raise ValueError(f"zeroshard.testing.{who}: {getattr(fn, '__name__', fn)} or its arguments cannot be "
+                         f"sent to the ranks ({e}). Fix: use module-level functions, not lambdas or closures.") from e
+
+
 def _worker(rank, world_size, port, fn, args, results, pg_timeout, threads):
     import torch
     import torch.distributed as dist
@@ -36,10 +86,9 @@ def _worker(rank, world_size, port, fn, args, results, pg_timeout, threads):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
-        out = fn(rank, world_size, *args)
-        results.put((rank, "ok", out))
+        results.put((rank, *_result(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim
-        results.put((rank, "error", traceback.format_exc()))
+        results.put((rank, *_failure()))
         raise SystemExit(1)
     finally:
         if dist.is_initialized():
@@ -52,7 +101,10 @@ def spawn(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float 
     ``fn`` must be importable (module level). Returns the list of its return
     values by rank. Raises RuntimeError with each failing rank's traceback, or
     TimeoutError after ``timeout`` seconds naming the ranks still running.
+    (If every failing rank failed an assertion, a ``ParityError`` say, that
+    assertion is raised instead, with every rank's traceback as a note.)
     """
+    _check_sendable(fn, args, "spawn")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
@@ -73,17 +125,19 @@ def spawn(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float 
         except queue.Empty:
             dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors and r not in outputs]
             for r in dead:
-                errors[r] = f"rank {r} exited with code {procs[r].exitcode} without a report"
+                errors[r] = (f"rank {r} exited with code {procs[r].exitcode} without a report", None)
             continue
-        (outputs if status == "ok" else errors)[rank] = value
+        if status == "ok":
+            outputs[rank] = pickle.loads(value)
+        else:
+            errors[rank] = value
     for p in procs:
         p.join(timeout=max(0.0, min(5.0, deadline - time.monotonic())))
     for p in procs:  # a rank that reported but exits slowly is stopped, not failed
         if p.is_alive():
             p.kill()
     if errors:
-        msg = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
-        raise RuntimeError(f"spawn({getattr(fn, '__name__', fn)}, world_size={world_size}) failed:\n{msg}")
+        _raise_failures(f"spawn({getattr(fn, '__name__', fn)}, world_size={world_size})", errors, world_size)
     if len(outputs) < world_size:
         missing = sorted(set(range(world_size)) - set(outputs))
         raise TimeoutError(
@@ -106,9 +160,9 @@ def _pool_worker(rank, world_size, port, tasks, results, pg_timeout, threads):
             break
         task_id, fn, args = task
         try:
-            results.put((task_id, rank, "ok", fn(rank, world_size, *args)))
+            results.put((task_id, rank, *_result(fn(rank, world_size, *args))))
         except BaseException:  # noqa: BLE001
-            results.put((task_id, rank, "error", traceback.format_exc()))
+            results.put((task_id, rank, *_failure()))
     dist.destroy_process_group()
 
 
@@ -118,13 +172,19 @@ class RankPool:
     Starting a rank costs seconds (importing torch); a pool pays it once and
     runs many small tests in it. A task after which some rank does not report
     (a hang or a crash) leaves collectives unmatched, so the pool is then shut
-    down and ``broken``; the caller makes a new one. A task that raised on
-    every rank that was waited for keeps the pool usable.
+    down and ``broken``; the next ``run`` starts fresh ranks (a hypothesis
+    search keeps going after a hung example). A task that raised on every rank
+    that was waited for keeps the pool usable.
     """
 
     def __init__(self, world_size: int, pg_timeout: float = 60.0, threads: int = 1):
+        self.world_size, self._settings = world_size, (pg_timeout, threads)
+        self._start()
+
+    def _start(self):
+        pg_timeout, threads = self._settings
+        world_size = self.world_size
         ctx = mp.get_context("spawn")
-        self.world_size = world_size
         self.results = ctx.Queue()
         self.tasks = [ctx.Queue() for _ in range(world_size)]
         port = free_port()
@@ -138,14 +198,11 @@ class RankPool:
         self._next_id = 0
 
     def run(self, fn, *args, timeout: float = 120.0):
-        """Run ``fn(rank, world_size, *args)`` on every rank; results by rank."""
+        """Run ``fn(rank, world_size, *args)`` on every rank; results by rank.
+        Failures are raised as ``spawn`` raises them."""
+        _check_sendable(fn, args, "RankPool")  # a queue pickles in a background thread: it would never arrive
         if self.broken:
-            raise RuntimeError("RankPool is broken by an earlier failure; create a new one")
-        try:  # a queue pickles in a background thread: an unpicklable task would otherwise just never arrive
-            pickle.dumps((fn, args))
-        except Exception as e:
-            raise ValueError(f"zeroshard.testing.RankPool: {getattr(fn, '__name__', fn)} or its arguments cannot be "
-                             f"sent to the ranks ({e}). Fix: use module-level functions, not lambdas or closures.") from e
+            self._start()
         self._next_id += 1
         task_id = self._next_id
         for q in self.tasks:
@@ -161,8 +218,10 @@ class RankPool:
                 if any(p.exitcode is not None for p in self.procs):
                     break
                 continue
-            if tid == task_id:
-                (outputs if status == "ok" else errors)[rank] = value
+            if tid == task_id and status == "ok":
+                outputs[rank] = pickle.loads(value)
+            elif tid == task_id:
+                errors[rank] = value
             if errors and len(outputs) + len(errors) < self.world_size:
                 # The other ranks may be blocked in a collective the failed
                 # rank never joined; give them a moment, then stop waiting.
@@ -171,8 +230,7 @@ class RankPool:
         if len(outputs) + len(errors) < self.world_size:
             self.close(force=True)  # some rank is stuck: its collectives are unmatched
         if errors:
-            msg = "\n".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors))
-            raise RuntimeError(f"{name} failed on {self.world_size} ranks:\n{msg}")
+            _raise_failures(name, errors, self.world_size)
         if len(outputs) < self.world_size:
             missing = sorted(set(range(self.world_size)) - set(outputs))
             raise TimeoutError(f"{name} on {self.world_size} ranks timed out after {timeout:.0f}s; ranks without a result: {missing}")

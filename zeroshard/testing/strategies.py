@@ -19,6 +19,10 @@ such configuration the engine equals torch FSDP1, bit for bit"::
     def test_parity(mlp, kw):
         pool.run(check, mlp, kw)              # pool = RankPool(2), made once
 
+A ``ParityError`` on the ranks is raised by ``pool.run`` as itself, so
+hypothesis shrinks it to the smallest configuration; a hung example raises
+``TimeoutError`` and the pool starts fresh ranks for the next one.
+
 Everything drawn is picklable (it crosses to the ranks): models are built by
 module-level classes from frozen dataclasses. Needs ``hypothesis``.
 """
