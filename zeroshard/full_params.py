@@ -50,25 +50,6 @@ class FullParams:
             undo["grads"] = self._gather_full_grads(params)
         return undo
 
-    def register_key_params(self) -> dict | None:
-        """Register a storage-less (meta) Parameter under each original name, so
-        that a state-dict walk sees the full model's keys without gathering
-        anything (FULL state dicts then gather one unit at a time). With
-        use_orig_params the original Parameters are registered already: None.
-        Otherwise the undo for :meth:`exit_full_params`."""
-        self.follow_cast()  # a cast of the model since the last step (exit reshards onto the shard)
-        if self.use_orig_params:
-            return None
-        params = [nn.Parameter(torch.empty_strided(p.shape, p.stride or torch.empty(p.shape, device="meta").stride(),
-                                                   dtype=self.dtype, device="meta"), requires_grad=self.flat_param.requires_grad)
-                  for p in self.layout.params]
-        self.flat_param_host._parameters.pop("_flat_param", None)
-        for p, info in zip(params, self.layout.params):
-            _register(info.module, info.name, p)
-        for info in self.layout.shared:
-            _register(info.module, info.name, params[info.prim_index])
-        return {"was_unsharded": self.unsharded, "grads": None}
-
     def _gather_full_grads(self, params) -> torch.Tensor | None:
         """The full flat gradient, with ``params``' grads viewing it; None if no rank has one."""
         g = self.flat_param.grad

@@ -263,8 +263,9 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------ state dicts
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
-        if sd.passthrough_active():
-            return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+        if sd.passthrough_active():  # inside a state-dict walk (see state_dict.walk_unit)
+            return sd.walk_unit(self, destination, lambda d: nn.Module.state_dict(
+                self, *args, destination=d, prefix=prefix, keep_vars=keep_vars))
         self._lazy_init()
         local = self._state_dict_type == StateDictType.LOCAL_STATE_DICT
         out = (local_state if local else sd).save(self, prefix=prefix, keep_vars=keep_vars)

@@ -4,12 +4,13 @@
   under their original names (as ``nn.Parameter``s) for the duration of a
   block; with ``writeback`` the changes made inside are copied back into the
   shards on exit.
-* FULL_STATE_DICT (the default): ``state_dict()`` gathers one unit at a time,
-  copies its full parameters (to the CPU with ``offload_to_cpu``) and frees it
-  before the next, and strips the wrapper prefixes, so the keys are the plain
-  model's and a non-FSDP model loads it with ``strict=True``;
-  ``load_state_dict()`` copies a full state dict into each unit's gathered
-  parameters in turn and writes them back into the shards.
+* FULL_STATE_DICT (the default): ``state_dict()`` walks the model as
+  nn.Module does, gathering each unit when the walk reaches it (so module
+  hooks and ``get_extra_state`` see full values) and copying its parameters
+  (to the CPU with ``offload_to_cpu``) before freeing it, as torch FSDP1's
+  hooks do; the keys are the plain model's, so a non-FSDP model loads it with
+  ``strict=True``. ``load_state_dict()`` gathers every unit, copies the full
+  state dict in, and writes it back into the shards (peak: the whole model).
 * LOCAL_STATE_DICT: each rank's flat shards, see ``local_state``.
 * SHARDED_STATE_DICT: the plain model's keys, each parameter of a sharded
   unit a DTensor of this rank's rows (see ``sharded_state``: ``Shard(0)``
@@ -129,41 +130,75 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
 
 
 # ------------------------------------------------------------------ state dicts
-def _unit_copies(h) -> list[torch.Tensor]:
-    """Independent copies of one summoned unit's full parameters: one batched
-    unflatten (the C++ extension when built) instead of a clone each."""
+def _check_full(h):
     infos = h.layout.params
     if h.flat_param.numel() < h.layout.numel or any(info.module._parameters.get(info.name) is None for info in infos):
         # Only inside summon_full_params(rank0_only=True) on another rank than 0 (torch asserts there).
         raise RuntimeError(f"zeroshard: state_dict() inside summon_full_params(rank0_only=True) on rank {h.rank}: "
                            f"unit '{h.unit_name}' holds no full parameters here (only rank 0 keeps them). Fix: take "
                            "the state dict outside the block, or only on rank 0.")
+
+
+def _unit_copies(h) -> list[torch.Tensor]:
+    """Independent copies of one summoned unit's full parameters: one batched
+    unflatten (the C++ extension when built) instead of a clone each."""
+    infos = h.layout.params
     outs = ext.unflatten(h.flat_param.detach(), [i.offset for i in infos], [i.shape for i in infos])
     return [i.unflat(o.view(-1)) for o, i in zip(outs, infos)]  # each copy holds its segment in memory order
 
 
-@contextlib.contextmanager
-def _key_params(root):
-    """The state-dict walk's view of ``root``: every unit's original names
-    registered (see ``FullParams.register_key_params``), nothing gathered.
-    Yields {id(registered parameter): (handle, index in its layout)}."""
-    where, undo = {}, []
-    try:
-        for u in units_of(root):
-            h = u._handle
-            if h is None:
-                continue
-            if not u._summoning:
-                undo.append((h, h.register_key_params()))
-            for i, info in enumerate(h.layout.params):
-                where[id(info.module._parameters.get(info.name))] = (h, i)
-            for info in h.layout.shared:
-                where[id(info.module._parameters.get(info.name))] = (h, info.prim_index)
-        yield where
-    finally:
-        for h, u in reversed(undo):
-            if u is not None:
-                h.exit_full_params(False, u)
+class _Walk:
+    """One FULL/SHARDED ``state_dict()`` walk under way (see :func:`walk_unit`):
+    whether to copy (not off rank 0 with rank0_only), to the CPU or not, and
+    which keys got copies (of sharded units' parameters)."""
+
+    def __init__(self, copy: bool, offload: bool):
+        self.copy, self.offload = copy, offload
+        self.copied, self.sharded_keys = set(), set()
+
+
+_walk: list[_Walk | None] = [None]
+
+
+def walk_unit(unit, destination, walk):
+    """``walk(destination)`` (nn.Module's state_dict over ``unit``'s subtree)
+    with the unit's full parameters registered, as torch FSDP1's state-dict
+    pre/post hooks do: the unit is gathered when the traversal reaches it, and
+    when its subtree is done every entry holding its full parameters (or a
+    view of them a hook made) becomes an independent copy, before it is freed.
+    Module hooks and ``get_extra_state`` thus see full values, and at most the
+    units on one path from the root are gathered at a time."""
+    ctx = _walk[0]
+    if ctx is None or unit._handle is None:
+        return walk(destination)
+    start = len(destination)
+    with summon_full_params(unit, recurse=False, writeback=False, inside_summon=True):
+        if ctx.copy:
+            _check_full(unit._handle)
+        walk(destination)
+        if ctx.copy:
+            _copy_out(unit._handle, destination, start, ctx)
+    return destination
+
+
+def _copy_out(h, destination, start: int, ctx: _Walk):
+    index = {id(info.module._parameters.get(info.name)): i for i, info in enumerate(h.layout.params)}
+    storage = h.flat_param.untyped_storage().data_ptr()
+    copies = None
+    for k, v in list(destination.items())[start:]:
+        if not torch.is_tensor(v):
+            continue
+        if id(v) in index:
+            if copies is None:
+                copies = [c.cpu() for c in _unit_copies(h)] if ctx.offload else _unit_copies(h)
+            destination[k] = copies[index[id(v)]]
+            if h.sharded:
+                ctx.sharded_keys.add(k)
+        elif v.untyped_storage().data_ptr() == storage:  # a hook's view of a full parameter
+            destination[k] = v.detach().cpu() if ctx.offload else v.detach().clone()
+        else:
+            continue
+        ctx.copied.add(k)
 
 
 def _upcast_buffer_ids(root) -> set[int]:
@@ -201,36 +236,31 @@ class OffRank0(dict):
 
 def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = False, offload: bool = False):
     """(FULL state dict, the keys of the parameters sharded units hold); ({},
-    set()) off rank 0 with rank0_only.
+    set()) off rank 0 with rank0_only (whose ranks still walk the model: the
+    all-gathers are collective).
 
-    As in torch FSDP1, the units are gathered one at a time and each unit's
-    parameters are copied (to the CPU with ``offload``) before the next is
-    gathered: the peak is one unit's full parameters on top of the copies,
-    not the whole model twice."""
-    with _key_params(root) as where, plain_module_behaviour():
-        raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
-        upcast = _upcast_buffer_ids(root)
-        owner = {k: where[id(v)] for k, v in raw.items() if id(v) in where}
-    copies = {}
-    for u in units_of(root):
-        h = u._handle
-        if h is None:
-            continue
-        with summon_full_params(u, recurse=False, writeback=False, rank0_only=rank0_only, inside_summon=True):
-            if rank0_only and root.rank != 0:
-                continue
-            copies[h] = [c.cpu() for c in _unit_copies(h)] if offload else _unit_copies(h)
-    if rank0_only and root.rank != 0:
+    As in torch FSDP1, the units are gathered one at a time as the traversal
+    reaches them (:func:`walk_unit`) and copied (to the CPU with ``offload``)
+    before they are freed: the peak is the units on one root-to-leaf path on
+    top of the copies, not the whole model twice."""
+    ctx = _Walk(copy=not (rank0_only and root.rank != 0), offload=offload)
+    destination, previous = {}, _walk[0]
+    _walk[0] = ctx
+    try:
+        with plain_module_behaviour():
+            upcast = _upcast_buffer_ids(root)
+            walk_unit(root, destination, lambda d: nn.Module.state_dict(root, destination=d, prefix=prefix, keep_vars=True))
+    finally:
+        _walk[0] = previous
+    if not ctx.copy:
         return OffRank0(), set()
     out = {}
-    for k, v in raw.items():
-        if k in owner:
-            h, i = owner[k]
-            out[clean_key(k)] = copies[h][i]
-        else:
+    for k, v in destination.items():
+        if torch.is_tensor(v) and k not in ctx.copied:  # buffers, ignored parameters (not extra states)
             v = buffer_value(v, keep_vars, id(v) in upcast)
-            out[clean_key(k)] = v.cpu() if offload else v
-    return out, {clean_key(k) for k, (h, _) in owner.items() if h.sharded}
+            v = v.cpu() if offload else v
+        out[clean_key(k)] = v
+    return out, {clean_key(k) for k in ctx.sharded_keys}
 
 
 def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
@@ -299,33 +329,17 @@ def load(root, state_dict, strict: bool = True):
         state_dict = {k: from_row_shard(state_dict[k]) for k in sorted(state_dict)}
         kind = StateDictType.FULL_STATE_DICT
     if kind == StateDictType.FULL_STATE_DICT:
-        # As torch FSDP1: the units' parameters are loaded one unit at a time
-        # (gathered, copied into, written back and freed); buffers and ignored
-        # parameters through nn.Module's own load.
-        with _key_params(root) as where:
+        with summon_full_params(root, writeback=True):
             with plain_module_behaviour():
                 current = nn.Module.state_dict(root, keep_vars=True)
-            owner = {clean_key(k): where[id(v)] for k, v in current.items() if id(v) in where}
-            shapes = {k: h.layout.params[i].shape for k, (h, i) in owner.items()}
             actual = {clean_key(k): k for k in current}
             try:
-                state_dict, problem = _normalize_full(state_dict, {**{clean_key(k): v for k, v in current.items()}, **shapes}), None
+                state_dict, problem = _normalize_full(state_dict, {clean_key(k): v for k, v in current.items()}), None
             except RuntimeError as e:
                 problem = e
             _raise_if_any_rank_failed(root, problem)
-            result = nn.Module.load_state_dict(root, {actual.get(k, k): v for k, v in state_dict.items() if k not in owner},
-                                               strict=False)
-        for u in units_of(root):
-            h = u._handle
-            mine = [(k, i) for k, (o, i) in owner.items() if o is h and k in state_dict]
-            if h is None or not mine:
-                continue
-            with summon_full_params(u, recurse=False, writeback=True), torch.no_grad():
-                for k, i in mine:  # an alias (tied weights) loads again: the last key wins, as in nn.Module
-                    info = h.layout.params[i]
-                    info.module._parameters[info.name].copy_(state_dict[k])
-        missing = [clean_key(k) for k in result.missing_keys if clean_key(k) not in owner or clean_key(k) not in state_dict]
-        unexpected = [clean_key(k) for k in result.unexpected_keys]
+            result = nn.Module.load_state_dict(root, {actual.get(k, k): v for k, v in state_dict.items()}, strict=False)
+        missing, unexpected = [clean_key(k) for k in result.missing_keys], [clean_key(k) for k in result.unexpected_keys]
         if strict and (missing or unexpected):  # nn.Module's error, with the plain model's names as torch FSDP1 gives
             errors = [f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + ". "
                       for what, keys in (("Missing", missing), ("Unexpected", unexpected)) if keys]
