@@ -107,6 +107,19 @@ def _state_dict_peak(rank, world_size, use_orig_params, kind):
     # the root (which has parameters of its own) and one block: the units on one root-to-leaf path, of 5
     assert zs.unsharded_tracker.peak_units == 2, zs.unsharded_tracker.peak_units
     assert kind == "rank0_only" and rank != 0 or len(sd) == len(MLP(n_blocks=4).state_dict())
+    if kind == "rank0_only":
+        return True
+    # Loading gathers the same way (each unit written back and freed once its subtree is loaded).
+    before = model.state_dict()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    zs.unsharded_tracker.reset_peaks()
+    with zs.FSDP.state_dict_type(model, sd_type, config):
+        model.load_state_dict(sd)
+    assert zs.unsharded_tracker.peak_units == 2, zs.unsharded_tracker.peak_units
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
     return True
 
 
@@ -117,5 +130,5 @@ def test_state_dicts_gather_one_unit_at_a_time(ranks, use_orig_params, kind):
     reaches it and its full parameters are copied out and freed when its
     subtree is done, so the peak is one root-to-leaf path of units on top of
     the copies (with offload_to_cpu, copies on the CPU), not the whole model
-    twice. zeroshard used to gather every unit at once."""
+    twice; loading likewise. zeroshard used to gather every unit at once."""
     assert all(ranks.run(2, _state_dict_peak, use_orig_params, kind))

@@ -321,3 +321,68 @@ def test_load_with_checkpoint_wrappers_is_clean(ranks, kind):
     """A model's own state dict loads strictly with activation-checkpoint
     wrappers inside its units (torch: no missing or unexpected keys)."""
     assert ranks.run(2, _load_with_checkpoint_wrappers, kind) == [([], [])] * 2
+
+
+class _LegacyBlock(torch.nn.Module):
+    """Renames its checkpoints' old key ('old_lin.*') in a load pre-hook, as
+    models that renamed a layer do: the hook sees its own module's keys."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(5, 5)
+        self._register_load_state_dict_pre_hook(self._rename)
+
+    def _rename(self, state_dict, prefix, *args):
+        for name in ("weight", "bias"):
+            if prefix + "old_lin." + name in state_dict:
+                state_dict[prefix + "lin." + name] = state_dict.pop(prefix + "old_lin." + name)
+
+    def forward(self, x):
+        return self.lin(x).relu()
+
+
+class _LegacyNet(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = _LegacyBlock(), _LegacyBlock(), torch.nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(self.b(self.a(x)))
+
+
+def _load_hooks_and_summoned(rank, world_size, use_orig_params):
+    import torch.distributed.fsdp as tfsdp
+
+    import zeroshard as zs
+
+    torch.manual_seed(1)
+    new = _LegacyNet().state_dict()
+    legacy = {k.replace(".lin.", ".old_lin.") if k[:2] in ("a.", "b.") else k: v for k, v in new.items()}
+    seen = []
+    for lib, extra in ((tfsdp, {"device_id": torch.device("cpu")}), (zs, {})):
+        torch.manual_seed(0)
+        m = lib.FullyShardedDataParallel(_LegacyNet(), use_orig_params=use_orig_params, **extra,
+                                         auto_wrap_policy=lib.wrap.ModuleWrapPolicy({_LegacyBlock}))
+        result = m.load_state_dict(legacy)  # strict: the blocks' hooks must see their own prefix
+        after_legacy = _full(m)
+        with lib.FullyShardedDataParallel.summon_full_params(m, writeback=True):
+            with torch.no_grad():
+                m.load_state_dict({k: v + 1 for k, v in new.items()})
+        seen.append((list(map(list, result)), after_legacy, _full(m)))
+    (ref, ours) = seen
+    assert ours[0] == ref[0] == [[], []]
+    for got, want in ((ours[1], ref[1]), (ours[2], ref[2])):
+        assert list(got) == list(want) and all(torch.equal(got[k], want[k]) for k in want)
+    assert all(torch.equal(ours[1][k], new[k]) for k in new)
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_load_pre_hooks_see_their_keys_and_load_inside_summon(ranks, use_orig_params):
+    """A module's load pre-hook that renames legacy keys works inside units
+    (torch FSDP1 gives each unit's subtree its keys with the wrapper's prefix
+    in its load pre-hook; zeroshard renamed the keys up front, so the hook
+    never saw 'old_lin.*' under its prefix and the strict load failed), and
+    load_state_dict inside summon_full_params loads into the summoned
+    parameters, as torch's (zeroshard refused it as a nested summon)."""
+    assert all(ranks.run(2, _load_hooks_and_summoned, use_orig_params))

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from .state_dict import (FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key, plain_module_behaviour,
-                         summon_full_params)
+                         summon_full_params, units_of)
 
 
 def _layout(root, prefix: str):
@@ -34,7 +34,7 @@ def _layout(root, prefix: str):
     sharded, full = [], []
     for name, m in root.named_modules():
         h = getattr(m, "_handle", None)
-        if not hasattr(m, "_fsdp_wrapped_module") or h is None:
+        if "_fsdp_wrapped_module" not in m._modules or h is None:  # (a checkpoint wrapper forwards the attributes)
             continue
         if h.sharded:
             sharded.append((prefix + (name + "." if name else ""), h))
@@ -47,7 +47,7 @@ def _refuse_mesh(root):
     """torch FSDP1 refuses LOCAL_STATE_DICT for a model wrapped with a
     ``device_mesh`` (it saves DTensors there, which LOCAL has no form for);
     zeroshard does the same rather than save a dict torch cannot read."""
-    if any(getattr(m, "_device_mesh", None) is not None for m in root.modules() if hasattr(m, "_fsdp_wrapped_module")):
+    if any(getattr(m, "_device_mesh", None) is not None for m in units_of(root)):
         raise RuntimeError("zeroshard: LOCAL_STATE_DICT does not fit a model wrapped with device_mesh (torch FSDP1 "
                            "refuses it too). Fix: use SHARDED_STATE_DICT (DTensor shards) or FULL_STATE_DICT.")
 

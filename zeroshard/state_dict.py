@@ -9,8 +9,10 @@
   hooks and ``get_extra_state`` see full values) and copying its parameters
   (to the CPU with ``offload_to_cpu``) before freeing it, as torch FSDP1's
   hooks do; the keys are the plain model's, so a non-FSDP model loads it with
-  ``strict=True``. ``load_state_dict()`` gathers every unit, copies the full
-  state dict in, and writes it back into the shards (peak: the whole model).
+  ``strict=True``. ``load_state_dict()`` first walks the model for its keys
+  and full shapes (every rank learns of any mismatch before one writes), then
+  runs nn.Module's load with each unit gathered as the load reaches it and
+  written back into the shards and freed once its subtree is loaded.
 * LOCAL_STATE_DICT: each rank's flat shards, see ``local_state``.
 * SHARDED_STATE_DICT: the plain model's keys, each parameter of a sharded
   unit a DTensor of this rank's rows (see ``sharded_state``: ``Shard(0)``
@@ -75,7 +77,8 @@ def clean_fqn(key: str) -> str:
 def units_of(module: nn.Module, recurse: bool = True):
     """The FSDP units in ``module``'s tree; with ``recurse=False`` only ``module``
     itself if it is one (a plain module holding units gives none, as in torch)."""
-    from_tree = [m for m in module.modules() if hasattr(m, "_handle") and hasattr(m, "_fsdp_wrapped_module")]
+    # By the child's name, not hasattr: an activation-checkpoint wrapper forwards unknown attributes to the unit inside.
+    from_tree = [m for m in module.modules() if "_fsdp_wrapped_module" in m._modules and hasattr(m, "_handle")]
     return from_tree if recurse else [m for m in from_tree[:1] if m is module]
 
 
@@ -152,8 +155,8 @@ class _Walk:
     whether to copy (not off rank 0 with rank0_only), to the CPU or not, and
     which keys got copies (of sharded units' parameters)."""
 
-    def __init__(self, copy: bool, offload: bool):
-        self.copy, self.offload = copy, offload
+    def __init__(self, copy: bool, offload: bool, shapes: bool = False):
+        self.copy, self.offload, self.shapes = copy, offload, shapes
         self.copied, self.sharded_keys = set(), set()
 
 
@@ -178,6 +181,10 @@ def walk_unit(unit, destination, walk):
         walk(destination)
         if ctx.copy:
             _copy_out(unit._handle, destination, start, ctx)
+        elif ctx.shapes:  # load's check: the full shapes, read before the unit is freed
+            for k, v in list(destination.items())[start:]:
+                if torch.is_tensor(v):
+                    destination[k] = v.shape
     return destination
 
 
@@ -234,7 +241,42 @@ class OffRank0(dict):
         return dict, ()
 
 
-def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = False, offload: bool = False):
+@contextlib.contextmanager
+def _gathered_while_loading(root):
+    """Inside, nn.Module's load of a plain-keyed state dict reaches every unit
+    as torch FSDP1's load pre/post hooks do: the keys under the unit are given
+    the wrapper's prefix (so hooks of the modules inside see their own names,
+    e.g. to rename legacy keys), and the unit is gathered (writeback) for its
+    subtree's load, then written back and freed: at most one root-to-leaf
+    path of units is gathered."""
+    stacks, handles = {}, []
+
+    def enter(unit, state_dict, prefix, *args):
+        for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + WRAPPED_PREFIX)]:
+            state_dict[prefix + WRAPPED_PREFIX + k[len(prefix):]] = state_dict.pop(k)
+        stack = contextlib.ExitStack()
+        if unit._handle is not None:
+            stack.enter_context(summon_full_params(unit, recurse=False, writeback=True, inside_summon=True))
+        stacks.setdefault(unit, []).append(stack)
+
+    def leave(unit, incompatible_keys):
+        stacks[unit].pop().close()
+
+    try:
+        for u in units_of(root):
+            handles += [u._register_load_state_dict_pre_hook(enter, with_module=True),
+                        u.register_load_state_dict_post_hook(leave)]
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+        for unit_stacks in stacks.values():  # an error inside the load: close what is open
+            while unit_stacks:
+                unit_stacks.pop().close()
+
+
+def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = False, offload: bool = False,
+                     shapes: bool = False):
     """(FULL state dict, the keys of the parameters sharded units hold); ({},
     set()) off rank 0 with rank0_only (whose ranks still walk the model: the
     all-gathers are collective).
@@ -242,8 +284,9 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
     As in torch FSDP1, the units are gathered one at a time as the traversal
     reaches them (:func:`walk_unit`) and copied (to the CPU with ``offload``)
     before they are freed: the peak is the units on one root-to-leaf path on
-    top of the copies, not the whole model twice."""
-    ctx = _Walk(copy=not (rank0_only and root.rank != 0), offload=offload)
+    top of the copies, not the whole model twice. With ``shapes`` (load's
+    check) nothing is copied: the values are the full shapes."""
+    ctx = _Walk(copy=not shapes and not (rank0_only and root.rank != 0), offload=offload, shapes=shapes)
     destination, previous = {}, _walk[0]
     _walk[0] = ctx
     try:
@@ -252,6 +295,8 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
             walk_unit(root, destination, lambda d: nn.Module.state_dict(root, destination=d, prefix=prefix, keep_vars=True))
     finally:
         _walk[0] = previous
+    if shapes:
+        return destination, set()
     if not ctx.copy:
         return OffRank0(), set()
     out = {}
@@ -329,16 +374,16 @@ def load(root, state_dict, strict: bool = True):
         state_dict = {k: from_row_shard(state_dict[k]) for k in sorted(state_dict)}
         kind = StateDictType.FULL_STATE_DICT
     if kind == StateDictType.FULL_STATE_DICT:
-        with summon_full_params(root, writeback=True):
-            with plain_module_behaviour():
-                current = nn.Module.state_dict(root, keep_vars=True)
-            actual = {clean_key(k): k for k in current}
-            try:
-                state_dict, problem = _normalize_full(state_dict, {clean_key(k): v for k, v in current.items()}), None
-            except RuntimeError as e:
-                problem = e
-            _raise_if_any_rank_failed(root, problem)
-            result = nn.Module.load_state_dict(root, {actual.get(k, k): v for k, v in state_dict.items()}, strict=False)
+        # The model's keys and shapes (a walk that gathers each unit in turn and copies nothing), then
+        # nn.Module's load with each unit gathered only while its subtree loads, as torch's hooks do.
+        current = _full_state_dict(root, "", keep_vars=True, shapes=True)[0]
+        try:
+            state_dict, problem = _normalize_full(state_dict, {clean_key(k): v for k, v in current.items()}), None
+        except RuntimeError as e:
+            problem = e
+        _raise_if_any_rank_failed(root, problem)
+        with _gathered_while_loading(root):
+            result = nn.Module.load_state_dict(root, dict(state_dict), strict=False)
         missing, unexpected = [clean_key(k) for k in result.missing_keys], [clean_key(k) for k in result.unexpected_keys]
         if strict and (missing or unexpected):  # nn.Module's error, with the plain model's names as torch FSDP1 gives
             errors = [f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + ". "
