@@ -28,7 +28,7 @@ import torch.nn as nn
 from . import comm
 from .optim_state import _is_elem, _is_rank0, _optim_params, _param_index, _settings
 from .sharded_state import from_row_shard
-from .state_dict import units_of
+from .summon import units_of
 
 
 class _FullStates:

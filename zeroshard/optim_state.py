@@ -51,7 +51,8 @@ import torch.nn as nn
 from . import comm
 from .options import StateDictConfig, StateDictType
 from .sharded_state import device_mesh, to_chunk_sharded_tensor, to_row_shard
-from .state_dict import OffRank0, clean_fqn, clean_key, units_of
+from .state_dict import OffRank0, clean_fqn, clean_key
+from .summon import units_of
 
 
 @dataclass

@@ -1,9 +1,7 @@
 """Seeing and saving the model whole although each rank holds 1/N of it.
 
-* ``summon_full_params``: all-gather every unit and register the full tensors
-  under their original names (as ``nn.Parameter``s) for the duration of a
-  block; with ``writeback`` the changes made inside are copied back into the
-  shards on exit.
+* ``summon_full_params`` (in :mod:`zeroshard.summon`): the model whole for
+  the duration of a block.
 * FULL_STATE_DICT (the default): ``state_dict()`` walks the model as
   nn.Module does, gathering each unit when the walk reaches it (so module
   hooks and ``get_extra_state`` see full values) and copying its parameters
@@ -37,9 +35,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm, ext
-from .handle import HandleState
 from .options import FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig, StateDictType, as_member
 from .sharded_state import device_mesh, from_row_shard, to_row_shard
+from .summon import summon_full_params, units_of
 
 WRAPPED_PREFIX = "_fsdp_wrapped_module."
 FLAT_PARAM = "_flat_param"
@@ -74,65 +72,6 @@ def clean_fqn(key: str) -> str:
     return clean_key(key).replace("_checkpoint_wrapped_module.", "")
 
 
-def units_of(module: nn.Module, recurse: bool = True):
-    """The FSDP units in ``module``'s tree; with ``recurse=False`` only ``module``
-    itself if it is one (a plain module holding units gives none, as in torch)."""
-    # By the child's name, not hasattr: an activation-checkpoint wrapper forwards unknown attributes to the unit inside.
-    from_tree = [m for m in module.modules() if "_fsdp_wrapped_module" in m._modules and hasattr(m, "_handle")]
-    return from_tree if recurse else [m for m in from_tree[:1] if m is module]
-
-
-@contextlib.contextmanager
-def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False,
-                       inside_summon=False):
-    """torch FSDP1's summon_full_params. ``inside_summon`` (state dicts): units
-    already summoned by an enclosing block are used as they are, as torch's
-    state-dict hooks do, instead of refused."""
-    if rank0_only and writeback:
-        raise NotImplementedError("zeroshard: summon_full_params(rank0_only=True, writeback=True) is not supported (torch FSDP "
-                                  "forbids it too): other ranks would write back parameters they never saw. Fix: pass writeback=False.")
-    units = units_of(module, recurse)
-    if with_grads and any(u._handle is not None and not u._handle.use_orig_params for u in units):
-        raise NotImplementedError("zeroshard: summon_full_params(with_grads=True) needs use_orig_params=True (as in torch FSDP).")
-    if offload_to_cpu and any(u.compute_device.type != "cpu" for u in units):
-        raise ValueError("zeroshard: summon_full_params(offload_to_cpu=True) on a GPU module is not supported yet. Fix: leave offload_to_cpu=False.")
-    busy = next((u for u in units if u._summoning), None)
-    if busy is not None and not inside_summon:  # torch refuses too; gathering twice would free the outer block's buffer
-        raise RuntimeError(f"zeroshard: summon_full_params (or apply) entered again inside summon_full_params of unit "
-                           f"{type(busy.module).__name__}. Fix: do the work inside the open block.")
-    handles = [u._handle for u in units if u._handle is not None and not u._summoning]
-    for h in handles:
-        if h.state != HandleState.IDLE:
-            raise RuntimeError(f"zeroshard: summon_full_params called while unit '{h.unit_name}' is in {h.state.name.lower()}; "
-                               "it can only run between training steps. Fix: call it outside forward/backward.")
-    for h in handles:
-        # optimizer.zero_grad() cleared the original parameters' grads but not
-        # the flat gradient they viewed; leaving the block re-points them at
-        # it, so drop it now or the next backward accumulates onto stale
-        # gradients (torch's state_dict / optim_state_dict reset it too).
-        h.reset_grad_if_orig_grads_none()
-    undo = []
-    for u in units:  # named_parameters() / named_buffers() drop the wrapper prefix meanwhile
-        u._summoning += 1
-    with torch.no_grad():
-        try:
-            for h in handles:
-                undo.append((h, h.enter_full_params(writeback, with_grads)))
-            rank = handles[0].rank if handles else 0
-            if rank0_only and rank != 0:  # gathered with everyone (a collective), then dropped
-                while undo:
-                    h, u = undo.pop()
-                    h.exit_full_params(False, u)
-            yield
-        finally:
-            for u in units:
-                u._summoning -= 1
-            while undo:
-                h, u = undo.pop()
-                h.exit_full_params(writeback, u)
-
-
-# ------------------------------------------------------------------ state dicts
 def _check_full(h):
     infos = h.layout.params
     if h.flat_param.numel() < h.layout.numel or any(info.module._parameters.get(info.name) is None for info in infos):
