@@ -331,3 +331,73 @@ def _eval_skipping_a_prefetched_unit(rank, world_size, strategy, use_orig_params
 @pytest.mark.parametrize("strategy,use_orig_params", [("FULL_SHARD", False), ("SHARD_GRAD_OP", True)])
 def test_evaluation_skipping_a_prefetched_unit(ranks, strategy, use_orig_params):
     assert all(ranks.run(2, _eval_skipping_a_prefetched_unit, strategy, use_orig_params))
+
+
+def _wrap_skippable(engine, strategy, use_orig_params):
+    lib, extra = (tfsdp, {"device_id": torch.device("cpu")}) if engine == "torch" else (zs, {})
+    return lib.FullyShardedDataParallel(_seeded(Skippable), auto_wrap_policy=lib.wrap.ModuleWrapPolicy({Block}), **extra,
+                                        sharding_strategy=getattr(lib.ShardingStrategy, strategy), use_orig_params=use_orig_params)
+
+
+def _metric_forward_with_grad(rank, world_size, strategy, use_orig_params):
+    """A forward with grad mode on whose output gets no backward (a metric on
+    the training batch), between backward and optimizer.step(), kept the root
+    (ZeRO-3) or every unit (ZeRO-2) gathered; the next forward reused that
+    copy after the step had changed the shard, as torch FSDP1 does. The
+    reference is torch FSDP1 without the extra forward."""
+    seen = []
+    for engine, metric in (("torch", False), ("zeroshard", True)):
+        model = _wrap_skippable(engine, strategy, use_orig_params)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        outs = []
+        for step in range(3):
+            outs.append(model(_x(rank, step)))
+            outs[-1].pow(2).mean().backward()
+            if metric:
+                model(_x(rank, 7)).argmax(-1)  # grad mode on, never backpropagated
+            opt.step()
+            opt.zero_grad()
+        outs.append(model(_x(rank, 9)))
+        seen.append([o.detach() for o in outs] + [p.detach().clone() for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*seen))
+
+
+@pytest.mark.parametrize("strategy,use_orig_params", [("FULL_SHARD", False), ("FULL_SHARD", True),
+                                                      ("SHARD_GRAD_OP", False), ("SHARD_GRAD_OP", True)])
+def test_forward_without_backward_before_the_step_is_not_stale(ranks, strategy, use_orig_params):
+    assert all(ranks.run(2, _metric_forward_with_grad, strategy, use_orig_params))
+
+
+def _second_backward(rank, world_size, strategy, use_orig_params, how):
+    """Two backward passes through one forward's graph: zeroshard gathers the
+    units again for the second and adds its gradient to the first's reduced
+    shard. torch FSDP1 fails ('setStorage ... out of bounds', and zeroshard
+    did), so the reference is torch FSDP1 running the forward again for the
+    second loss (the same two reductions, added the same way)."""
+    seen = []
+    for engine in ("torch", "zeroshard"):
+        model = _wrap_skippable(engine, strategy, use_orig_params)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        got = []
+        for step in range(2):
+            x = _x(rank, step).requires_grad_()
+            out = model(x)
+            if how == "retain_graph":
+                out[:, 0].sum().backward(retain_graph=engine == "zeroshard")
+            else:
+                got.append(torch.autograd.grad(out.sum(), x, retain_graph=engine == "zeroshard")[0])
+            if engine == "torch":
+                out = model(x)
+            out.pow(2).mean().backward()
+            got += [torch.zeros(0) if p.grad is None else p.grad.clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+            got += [p.detach().clone() for p in model.parameters()]
+        seen.append(got)
+    return len(seen[0]) == len(seen[1]) and all(torch.equal(a, b) for a, b in zip(*seen))
+
+
+@pytest.mark.parametrize("how", ["retain_graph", "autograd.grad"])
+@pytest.mark.parametrize("strategy,use_orig_params", [("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", False)])
+def test_second_backward_through_one_forward(ranks, strategy, use_orig_params, how):
+    assert all(ranks.run(2, _second_backward, strategy, use_orig_params, how))

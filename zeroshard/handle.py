@@ -101,6 +101,8 @@ class FlatParamHandle(OrigParams, FullParams):
         self.state = HandleState.IDLE
         self._gather_work = None
         self.prefetched = False
+        # shard_version() when a forward kept the unit gathered for its backward; None otherwise (see hooks)
+        self.kept_version: int | None = None
         self.needs_pre_forward_unshard = False
         self.needs_pre_backward_unshard = False
         self.ran_pre_backward = False
@@ -213,8 +215,15 @@ class FlatParamHandle(OrigParams, FullParams):
             self._full_buffers[dtype] = buf
         return self._full_buffers[dtype]
 
+    def shard_version(self) -> int:
+        """A count that moves whenever this rank's shard is changed in place:
+        through the FlatParameter or (use_orig_params) an original parameter."""
+        v = self.flat_param._version
+        return v + sum(p._version for p in self.orig_params) if self.use_orig_params else v
+
     def end_iteration(self):
         """Back to idle after a backward: the next forward starts afresh."""
+        self.kept_version = None
         self.state = HandleState.IDLE
         self.ran_pre_backward = self.needs_pre_backward_unshard = self.prefetched = False
         self.post_backward_called = self.grad_accumulated = False
@@ -309,6 +318,7 @@ class FlatParamHandle(OrigParams, FullParams):
                 self._full.untyped_storage().resize_(0)
             self._full = None
             self.unsharded = False
+            self.kept_version = None
             unsharded_tracker.remove(self)
             if self.sharded and not self.use_orig_params:
                 self._placeholder_views()

@@ -31,11 +31,12 @@ import warnings
 import weakref
 
 import torch
+import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.utils.rnn import PackedSequence
 
-from . import reduce, trace, validation
+from . import comm, reduce, trace, validation
 from .bucket import Bucketer
 from .handle import RESHARD_AFTER_FORWARD, HandleState
 from .mixed_precision import buffers_for_mode
@@ -115,11 +116,34 @@ def _drop_unused_prefetches(rt):
             h.reshard(free=True)
 
 
+@torch.no_grad()
+def _drop_stale_kept(rt):
+    """Free units an earlier forward kept gathered for a backward that has
+    not come (its output discarded, or a metric computed with grad mode on)
+    if the shard changed since (optimizer.step() in between): reused, they
+    would compute with the old parameters (torch FSDP1 does). Whether a
+    shard changed is agreed by the unit's group (one small all-reduce, only
+    when such units exist): a rank whose shard holds no parameter element
+    sees no change, and a one-sided all-gather would hang."""
+    kept = [h for h in rt.handles if h.kept_version is not None and h.unsharded]
+    groups = {}
+    for h in kept:
+        groups.setdefault(h.group, []).append(h)
+    for group, hs in groups.items():
+        changed = torch.tensor([float(h.shard_version() != h.kept_version) for h in hs], device=hs[0].device)
+        comm.all_reduce(changed, group, op=dist.ReduceOp.MAX,
+                        what=f"checking whether unit '{hs[0].unit_name}' kept from the last forward is stale")
+        for h, c in zip(hs, changed.tolist()):
+            if c:
+                h.reshard(free=True)
+
+
 def root_pre_forward(state):
     rt = state._runtime
     if rt.callback_queued:  # the last backward never reached its end: it raised
         _recover_from_interrupted_backward(rt)
     _drop_unused_prefetches(rt)
+    _drop_stale_kept(rt)
     rt.post_forward_order.clear()
     buffers_for_mode(state, rt.states)
     for h in rt.handles:
@@ -212,6 +236,8 @@ def post_forward(state, output):
         # model.parameters() then reads the full values the forward used.
         zero2_kept = torch.is_grad_enabled() and handle.sharded and handle.strategy not in RESHARD_AFTER_FORWARD
         handle.reshard(free=not keep, sharded_views=not zero2_kept)
+        if keep and handle.sharded and not recompute:
+            handle.kept_version = handle.shard_version()
         # torch re-points the grads too (NO_SHARD included: a frozen parameter's grad goes back to None)
         if handle.use_orig_params and not recompute and not zero2_kept:
             handle.use_grad_views_after_forward()
@@ -278,6 +304,15 @@ def pre_backward(state):
     if handle is None:
         return
     handle.state = HandleState.BACKWARD_PRE
+    handle.kept_version = None
+    if not handle.needs_pre_backward_unshard and handle.sharded and not handle.unsharded:
+        # A second backward through a forward whose backward already ran and
+        # freed the unit (retain_graph=True, or an autograd.grad before it):
+        # gather again and hook the post-backward anew; its gradient then adds
+        # to the first one's reduced shard as an accumulated micro-batch does.
+        handle.needs_pre_backward_unshard = True
+        with torch.enable_grad():
+            _hook_post_backward(state, handle)
     if handle.needs_pre_backward_unshard:
         _unshard_for_compute(state, handle)
     if trace._active:
