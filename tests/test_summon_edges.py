@@ -175,7 +175,7 @@ def _freed_parameters_are_refused(rank, world_size, strategy):
     weight = lambda m: m.module.blocks[0].module.l1.weight  # noqa: E731
     def layout(w):  # what can be asked of torch's freed view without reading memory
         return (w.shape, w.dtype, w.device, w.stride(), w.is_contiguous(), w.requires_grad, w.nbytes, len(w),
-                w.is_floating_point(), w.is_cuda, w.is_meta)
+                w.is_floating_point(), w.is_cuda, w.is_meta, w.type())
     assert layout(weight(ours)) == layout(weight(ref))
     assert repr(ours).count("Linear") == repr(ref).count("Linear")  # still prints and introspects
 
@@ -203,7 +203,19 @@ def _freed_parameters_are_refused(rank, world_size, strategy):
     assert torch.equal(*values)
     lin = copy.deepcopy(ours.module.blocks[0].module.l1)  # copies a placeholder, not freed memory
     assert lin.weight.shape == weight(ours).shape and lin.weight is not weight(ours)
+    # A ParameterDict prints each entry's torch.typename (Tensor.type()); it raised on a placeholder.
+    dicts = _both(lambda: nn.Sequential(nn.Linear(4, 4), _WithParamDict()), sharding_strategy=getattr(tfsdp.ShardingStrategy, strategy))
+    assert repr(dicts[1].module) == repr(dicts[0].module)
     return True
+
+
+class _WithParamDict(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.table = nn.ParameterDict({"a": nn.Parameter(torch.ones(3, 4)), "b": nn.Parameter(torch.zeros(4))})
+
+    def forward(self, x):
+        return x @ self.table["a"].T
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])

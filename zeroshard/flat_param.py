@@ -157,6 +157,9 @@ class FreedView(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in cls._ANSWERS:
             return cls._ANSWERS[func](args[0])
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:  # its name (a cast, given a dtype, raises)
+            name, device = torch.empty(0, dtype=args[0].dtype).type(), args[0]._device.type
+            return name if device == "cpu" else name.replace("torch.", f"torch.{device}.", 1)
         if func in cls._LAYOUT:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))

@@ -74,6 +74,10 @@ class FullyShardedDataParallel(nn.Module):
         backward_prefetch = as_member(backward_prefetch, BackwardPrefetch, "backward_prefetch")
         strategy = sharding_strategy or (ShardingStrategy.HYBRID_SHARD if fsdp_group_size else ShardingStrategy.FULL_SHARD)
         ignored_modules, ignored_params = validation.split_ignored(ignored_modules, ignored_states, module)
+        if any(_is_unit(m) for m in ignored_modules or ()):  # torch FSDP1's rule, with the fix
+            raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_modules should not "
+                             "include FSDP modules (the unit would be sharded anyway). Fix: ignore the module it wraps "
+                             "before wrapping it, or do not wrap it.")
         if process_group is None and device_mesh is None and (not dist.is_available() or not dist.is_initialized()):
             raise RuntimeError(
                 "zeroshard: FullyShardedDataParallel needs a process group, but torch.distributed is not "
@@ -133,6 +137,10 @@ class FullyShardedDataParallel(nn.Module):
         if sync_module_states:
             materialize.sync_module_states(module, outside_unit, [shard_group, replicate_group], ignored_params)
         nested = {m for m in module.modules() if _is_unit(m)}
+        # As torch FSDP1: what a nested unit ignores, this one ignores too (a weight it shares stays out of both).
+        ignored |= {m for u in nested for m in u._ignored_modules}
+        ignored_params = frozenset(ignored_params).union(*(u._ignored_params for u in nested))
+        self._ignored_params = ignored_params
         # FSDP(FSDP(m)), as torch allows: the outer unit owns nothing.
         entries, aliases = ([], []) if _is_unit(module) else collect_params(
             module, skip=nested | ignored, ignored_params=kept_out(ignored, ignored_params))
