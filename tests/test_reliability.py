@@ -69,12 +69,16 @@ def _different_settings(rank, world_size, which):
     kwargs = {"mp": dict(mixed_precision=zs.MixedPrecision(param_dtype=(torch.bfloat16, torch.float16)[rank])),
               "reduce": dict(mixed_precision=zs.MixedPrecision(reduce_dtype=(torch.bfloat16, torch.float16)[rank])),
               "strategy": dict(sharding_strategy=(zs.ShardingStrategy.FULL_SHARD, zs.ShardingStrategy.NO_SHARD)[rank]),
-              "orig": dict(use_orig_params=rank == 1)}[which]
-    zs.FSDP(Other(wide=False), **kwargs)
+              "orig": dict(use_orig_params=rank == 1), "frozen": dict(use_orig_params=True)}[which]
+    model = Other(wide=False)
+    if which == "frozen" and rank == 1:  # frozen on one rank only: its collectives would mismatch in backward
+        model.b.requires_grad_(False)
+    zs.FSDP(model, **kwargs)
 
 
 @pytest.mark.parametrize("which,name", [("mp", "param_dtype"), ("reduce", "reduce_dtype"),
-                                        ("strategy", "sharding_strategy"), ("orig", "use_orig_params")])
+                                        ("strategy", "sharding_strategy"), ("orig", "use_orig_params"),
+                                        ("frozen", "frozen_parameters")])
 def test_ranks_disagreeing_on_fsdp_arguments_detected_at_construction(which, name):
     """Without the check, different mixed precision per rank trains on to wrong
     (non-finite) values silently, and the other differences time out or abort."""

@@ -27,8 +27,9 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings
     """Ranks that wrapped different models would all-gather mismatched
     buffers (garbage or a hang); compare the layouts once, at construction,
     and the ``settings`` that must agree too (sharding strategy,
-    use_orig_params, mixed-precision dtypes: ranks disagreeing there train on
-    to silently wrong, even non-finite, values or time out)."""
+    use_orig_params, mixed-precision dtypes, which parameters are frozen:
+    ranks disagreeing there train on to silently wrong, even non-finite,
+    values, or their collectives mismatch)."""
     mine = (str(dtype), [(p.fqn, tuple(p.shape), p.stride) for p in layout.params],  # stride: the memory order flattened
             sorted((k, str(v)) for k, v in (settings or {}).items()))
     if group.size() == 1:
@@ -150,9 +151,10 @@ def check_unowned(entries, unit: str):
             where = fqn.rpartition(".")[0] or "the root module"
             raise ValueError(
                 f"zeroshard: module '{where}' inside unit '{unit}' is already the module of another unit (it holds that "
-                "unit's FlatParameter): one module registered under two names, and the wrapping policy wrapped it under "
-                "the other name only. Fix: register the module once (call it twice in forward), wrap a common parent "
-                "instead, or leave the module out of auto_wrap_policy."
+                "unit's FlatParameter): the module was wrapped twice, or it is registered under two names and the "
+                "wrapping policy wrapped it under the other name only. Fix: wrap each module once (use the unit the "
+                "first FullyShardedDataParallel(...) returned), register the module once (call it twice in forward), "
+                "or leave it out of auto_wrap_policy."
             )
         if hasattr(p, "_zeroshard_unit"):
             owner = p._zeroshard_unit
