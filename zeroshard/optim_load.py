@@ -135,7 +135,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
             st = _flatten_shard(h, names, {f: v for f in names if (v := source.get(f)) is not None})
         elif kind == "orig":
             full = source.get(names)
-            st = _orig_shard(h, i, full)
+            st = _orig_shard(h, i, full, names)
             if full is not None and st is None:
                 empty_shard.append(pid)
         else:
@@ -216,12 +216,16 @@ def _flatten_shard(h, fqns: list[str], full: dict) -> dict | None:
     return out
 
 
-def _orig_shard(h, i: int, st: dict | None) -> dict | None:
-    """This rank's state of original parameter ``i``: its 1-D slice, or none
-    when the shard holds no element of it (the optimizer never steps it)."""
+def _orig_shard(h, i: int, st: dict | None, fqn: str) -> dict | None:
+    """This rank's state of original parameter ``i`` (``fqn``): its 1-D slice,
+    or none when the shard holds no element of it (the optimizer never steps
+    it). Shapes are checked on every rank first, so all of them raise."""
     if st is None:
         return None
     info, sl = h.layout.params[i], h.layout.shard_slices[i]
+    for name, v in st.items():
+        if _is_elem(v):
+            _check_shape(v, info, name, fqn)
     if h.sharded and sl is None:
         return None
     out = {}
@@ -229,7 +233,6 @@ def _orig_shard(h, i: int, st: dict | None) -> dict | None:
         if not _is_elem(v):
             out[name] = v.clone() if torch.is_tensor(v) else v
             continue
-        _check_shape(v, info, name, info.fqn)
         if not h.sharded:
             out[name] = v.reshape(info.shape).to(h.local_shard.device, copy=True)
         else:
@@ -238,6 +241,7 @@ def _orig_shard(h, i: int, st: dict | None) -> dict | None:
 
 
 def _check_shape(v: torch.Tensor, info, name: str, fqn: str):
-    if v.numel() != info.numel:
+    # The shape, not only the element count: a transposed state would load scrambled (torch raises here too).
+    if tuple(v.shape) != tuple(info.shape):
         raise ValueError(f"zeroshard: optimizer state '{name}' of '{fqn}' has shape {tuple(v.shape)} but the parameter has "
                          f"shape {tuple(info.shape)}. Fix: load an optimizer state dict saved from the same model.")

@@ -178,17 +178,18 @@ def _is_elem(v) -> bool:
     return torch.is_tensor(v) and v.dim() > 0
 
 
-def _ordered(state: dict, orig_params: bool) -> dict:
+def _ordered(state: dict, orig_params: bool, held: dict | None) -> dict:
     """torch's order inside one parameter's state. Flat parameters: per-element
-    tensors, then zero-dim tensors, then the rest, each sorted by name. With
-    ``use_orig_params``: the rest, then zero-dim tensors (both in the
-    optimizer's order, e.g. AdamW's ``step`` first), then the per-element
-    tensors sorted by name."""
+    tensors, then zero-dim tensors, then the rest. With ``use_orig_params``:
+    the rest, then zero-dim tensors, then per-element tensors. Each kind
+    sorted by name, except for a NO_SHARD ``use_orig_params`` parameter,
+    whose state torch passes through in the optimizer's own order (``held``)."""
+    if orig_params and held is not None:
+        return {k: state[k] for k in (*held, *state) if k in state}
+
     def rank(kv):
         kind = 0 if _is_elem(kv[1]) else 1 if torch.is_tensor(kv[1]) else 2
-        if orig_params:  # a stable sort: the optimizer's order stays within the first two kinds
-            return (2, kv[0]) if kind == 0 else (2 - kind, "")
-        return (kind, kv[0])
+        return (2 - kind if orig_params else kind, kv[0])
 
     return dict(sorted(state.items(), key=rank))
 
@@ -207,16 +208,16 @@ def _local_spec(states: list[dict | None]) -> dict:
     return spec
 
 
-def _gather_unit(h, prefix: str, optim, finish) -> dict[str, dict]:
+def _gather_unit(h, prefix: str, states_of: dict, finish) -> dict[str, dict]:
     """Full (unsharded) states of one unit's parameters, keyed by FQN; each
     per-element state passes through ``finish`` (a CPU copy, or this rank's
     rows for SHARDED). ``finish=None``: take part in the collectives only
     (rank0_only on ranks other than 0) and return {}."""
     n = len(h.layout.params)
     if h.use_orig_params:
-        states = [optim.state.get(p) or None for p in h.orig_params]
+        states = [states_of.get(p) or None for p in h.orig_params]
     else:
-        states = [optim.state.get(h.flat_param) or None] * n  # one state for the whole FlatParameter
+        states = [states_of.get(h.flat_param) or None] * n  # one state for the whole FlatParameter
     # Ranks holding no element of a parameter have no state for it (and a
     # rank cannot know its dtype or step): exchange what each rank has.
     spec = _local_spec(states)
@@ -250,7 +251,8 @@ def _gather_unit(h, prefix: str, optim, finish) -> dict[str, dict]:
         for k, (kind, v) in names.items():
             if kind == "scalar":
                 out[clean_fqn(prefix + h.layout.params[i].fqn)][k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
-    return {k: _ordered(v, h.use_orig_params) for k, v in out.items()}
+    held = {clean_fqn(prefix + info.fqn): st for info, st in zip(h.layout.params, states)} if not h.sharded else {}
+    return {k: _ordered(v, h.use_orig_params, held.get(k)) for k, v in out.items()}
 
 
 def _full_flat(h, states, name, dtype, device, flat: bool) -> torch.Tensor:
@@ -281,8 +283,9 @@ def optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, optim_state
 
     FULL, FULL on rank 0 only, or SHARDED, as ``state_dict_type`` set on the
     model (see the module docstring). ``optim_state_dict`` (default
-    ``optim.state_dict()``) only supplies the ``param_groups``
-    hyperparameters; states are read from ``optim`` itself. ``group``: the
+    ``optim.state_dict()``, as torch) is the state converted: its states
+    (keyed by position, or by name for a named optimizer) and its
+    ``param_groups``; ``optim`` maps positions to parameters. ``group``: the
     ranks among which "rank 0" is meant (default: all); each unit gathers
     over its own process group.
     """
@@ -296,10 +299,27 @@ def full_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, rank0_
     return _optim_state_dict(model, optim, None, group, rank0_only, "full")
 
 
+def _states_of(osd: dict, params: list, by_name: dict) -> dict:
+    """The states of a given optimizer state dict, keyed by parameter (as ``optim.state`` is)."""
+    out = {}
+    for key, st in osd.get("state", {}).items():
+        p = by_name.get(key) if isinstance(key, str) else params[key] if 0 <= key < len(params) else None
+        if p is None:
+            raise ValueError(f"zeroshard: optim_state_dict: the given optimizer state dict has a state for parameter "
+                             f"{key!r}, which the optimizer does not hold. Fix: pass a state dict of this optimizer "
+                             "(optim.state_dict()).")
+        out[p] = st
+    return out
+
+
 def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> dict:
-    osd = osd if osd is not None else optim.state_dict()
     index = _param_index(model)
     params = _optim_params(optim)
+    if osd is None:
+        osd, states = optim.state_dict(), optim.state  # the live states: read in place, nothing re-keyed
+    else:
+        named = any(isinstance(k, str) for g in osd["param_groups"] for k in g["params"])
+        states = _states_of(osd, params, dict(model.named_parameters()) if named else {})
     keep = not rank0_only or _is_rank0(group)
     mesh = device_mesh(units_of(model)[0]) if form == "rows" else None
 
@@ -316,17 +336,17 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> 
     for h, prefix in _unit_prefixes(model):
         in_optim = [p for p in ([h.flat_param] if not h.use_orig_params else h.orig_params) if any(p is q for q in params)]
         if in_optim:
-            per_unit[id(h)] = _gather_unit(h, prefix, optim, finish(h))
+            per_unit[id(h)] = _gather_unit(h, prefix, states, finish(h))
     if not keep:
         return OffRank0()
     plain = {}
     for p in params:
         kind, h, _, fqn = index.get(id(p), ("plain", None, None, None))
-        if kind == "plain" and p in optim.state:
+        if kind == "plain" and p in states:
             if fqn is None:
                 raise ValueError("zeroshard: optim_state_dict: the optimizer holds a parameter that is not in the model. "
                                  "Fix: pass the model whose parameters the optimizer was built from.")
-            plain[fqn] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in optim.state[p].items()}  # torch copies it
+            plain[fqn] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in states[p].items()}  # torch copies it
     # torch's order of the parameters. use_orig_params: it walks the sorted names,
     # taking unmanaged states at once and each unit's (names sorted) after all of
     # them, units in the order of their first name. Otherwise it walks the optimizer's parameters.
