@@ -108,6 +108,36 @@ def test_computes_zero3_on_dequantized_weights(ranks, model_name, use_orig_param
         assert qbytes["all_gather"] < rbytes["all_gather"]
 
 
+def _summon_while_gathered(rank, world_size, strategy, how):
+    """A unit still holding its int8-dequantized gathered copy (ZeRO-2 after a
+    no_sync micro-batch, the root after a forward with no backward) is
+    gathered exactly again for summon_full_params and state dicts: they used
+    to reuse that copy (the state dict then held quantized values, and an
+    empty summon_full_params wrote them back into the fp32 master shards)."""
+    base = build("mlp")
+    model = zs.FSDP(copy.deepcopy(base), auto_wrap_policy=_policy("mlp"), quantized_all_gather=Int8BlockQuant(block_size=64),
+                    sharding_strategy=getattr(zs.ShardingStrategy, strategy))
+    shards = [u._handle.local_shard.clone() for u in zs.FSDP.fsdp_modules(model)]
+    if how == "no_sync":
+        with model.no_sync():
+            model(batch("mlp", rank, 0)).square().mean().backward()
+    else:
+        model(batch("mlp", rank, 0))  # grad mode on, never backpropagated
+    assert any(u._handle.unsharded for u in zs.FSDP.fsdp_modules(model))  # the case: a gathered, quantized copy
+    sd = model.state_dict()
+    with zs.FSDP.summon_full_params(model):  # writeback=True
+        pass
+    assert all(torch.equal(sd[k], v) for k, v in base.state_dict().items())
+    assert all(torch.equal(u._handle.local_shard, s) for u, s in zip(zs.FSDP.fsdp_modules(model), shards))
+    return True
+
+
+@pytest.mark.parametrize("strategy,how", [("SHARD_GRAD_OP", "no_sync"), ("FULL_SHARD", "forward_only"),
+                                          ("SHARD_GRAD_OP", "forward_only")])
+def test_summon_and_state_dict_while_a_quantized_copy_is_gathered(ranks, strategy, how):
+    assert all(ranks.run(2, _summon_while_gathered, strategy, how))
+
+
 # --------------------------------------------- 3 and 4: bytes and training
 def _sequences(rank: int, step: int, batch_size: int = 8, ctx: int = 16, vocab: int = 37):
     """Arithmetic progressions mod vocab: learnable (a start and a stride per row)."""

@@ -298,29 +298,39 @@ def test_state_dict_hooks_and_extra_state_see_full_parameters(ranks, use_orig_pa
     assert all(ranks.run(2, _hooks_see_full_values, use_orig_params))
 
 
-def _load_with_checkpoint_wrappers(rank, world_size, kind):
+def _load_with_checkpoint_wrappers(rank, world_size, kind, use_orig_params):
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
 
     import zeroshard as zs
     from models import Block
 
-    torch.manual_seed(0)
-    model = build("mlp")
-    apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
-    model = zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
-    sd_type = getattr(zs.StateDictType, kind)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        with zs.FSDP.state_dict_type(model, sd_type):
-            result = model.load_state_dict(model.state_dict())  # strict
+    forms = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = build("mlp")
+        if checkpointed:  # CheckpointWrapper(FSDP(Block)): the wrapper around each unit
+            apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, Block))
+        model = zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with zs.FSDP.state_dict_type(model, getattr(zs.StateDictType, kind)):
+                sd = model.state_dict()
+                result = model.load_state_dict(sd)  # strict
+        forms.append({k: (type(v).__name__, tuple(v.shape)) for k, v in sd.items()})
+    # The same keys and forms as without the wrappers (row DTensors, ShardedTensor flat shards).
+    assert forms[0] == forms[1], (forms[0], forms[1])
     return tuple(map(list, result))
 
 
-@pytest.mark.parametrize("kind", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
-def test_load_with_checkpoint_wrappers_is_clean(ranks, kind):
+@pytest.mark.parametrize("kind,use_orig_params", [("FULL_STATE_DICT", False), ("SHARDED_STATE_DICT", False),
+                                                  ("LOCAL_STATE_DICT", False), ("LOCAL_STATE_DICT", True)])
+def test_load_with_checkpoint_wrappers_is_clean(ranks, kind, use_orig_params):
     """A model's own state dict loads strictly with activation-checkpoint
-    wrappers inside its units (torch: no missing or unexpected keys)."""
-    assert ranks.run(2, _load_with_checkpoint_wrappers, kind) == [([], [])] * 2
+    wrappers around its units (torch: no missing or unexpected keys), and has
+    the form it has without them: the wrapper's hooks drop its name from the
+    keys, and zeroshard matched the units' keys with it (SHARDED gave plain
+    full tensors, LOCAL plain shards, or with use_orig_params no flat entries)."""
+    assert ranks.run(2, _load_with_checkpoint_wrappers, kind, use_orig_params) == [([], [])] * 2
 
 
 class _LegacyBlock(torch.nn.Module):

@@ -26,8 +26,11 @@ class FullParams:
         Returns what :meth:`exit_full_params` needs to undo it."""
         self.follow_cast()
         self.writeback_orig_params()
-        if self.unsharded and self._full.dtype != self.dtype:
-            self.reshard(free=True)  # gathered in low precision for compute
+        if self.unsharded and not self.always_full and (
+                self._full.dtype != self.dtype or self.full_quantized or self.kept_version is not None):
+            # Gathered for compute: in low precision, or int8-quantized (qwZ), or kept by a forward whose
+            # backward has not come (an optimizer step since would make it stale): gather exactly again.
+            self.reshard(free=True)
         # NO_SHARD in place (always_full): the views are the parameters themselves, so changes
         # persist whatever ``writeback`` says, as torch FSDP1 documents for NO_SHARD.
         undo = {"was_unsharded": self.unsharded, "grads": None}

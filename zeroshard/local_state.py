@@ -25,7 +25,7 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .state_dict import (FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key, plain_module_behaviour,
+from .state_dict import (CHECKPOINT_PREFIX, FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key, plain_module_behaviour,
                          summon_full_params, units_of)
 
 
@@ -36,8 +36,8 @@ def _layout(root, prefix: str):
         h = getattr(m, "_handle", None)
         if "_fsdp_wrapped_module" not in m._modules or h is None:  # (a checkpoint wrapper forwards the attributes)
             continue
-        if h.sharded:
-            sharded.append((prefix + (name + "." if name else ""), h))
+        if h.sharded:  # the prefix its keys have: checkpoint wrappers' hooks drop their name
+            sharded.append((prefix + (name + "." if name else "").replace(CHECKPOINT_PREFIX, ""), h))
         else:
             full.append(m)
     return sharded, full

@@ -41,6 +41,7 @@ from .summon import summon_full_params, units_of
 
 WRAPPED_PREFIX = "_fsdp_wrapped_module."
 FLAT_PARAM = "_flat_param"
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper; its hooks drop it from keys
 # torch FSDP1's words: LOCAL and SHARDED state dicts of NO_SHARD units hold full tensors.
 NO_SHARD_WARNING = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
 
@@ -69,7 +70,7 @@ def clean_key(key: str) -> str:
 def clean_fqn(key: str) -> str:
     """A parameter's name as torch FSDP1's optimizer state dicts give it (its
     ``clean_tensor_name``): without FSDP's nor activation checkpointing's wrapper prefixes."""
-    return clean_key(key).replace("_checkpoint_wrapped_module.", "")
+    return clean_key(key).replace(CHECKPOINT_PREFIX, "")
 
 
 def _check_full(h):
@@ -96,7 +97,7 @@ class _Walk:
 
     def __init__(self, copy: bool, offload: bool, shapes: bool = False):
         self.copy, self.offload, self.shapes = copy, offload, shapes
-        self.copied, self.sharded_keys = set(), set()
+        self.copied, self.sharded_ids = set(), set()  # ids of the copies of sharded units' parameters
 
 
 _walk: list[_Walk | None] = [None]
@@ -139,7 +140,7 @@ def _copy_out(h, destination, start: int, ctx: _Walk):
                 copies = [c.cpu() for c in _unit_copies(h)] if ctx.offload else _unit_copies(h)
             destination[k] = copies[index[id(v)]]
             if h.sharded:
-                ctx.sharded_keys.add(k)
+                ctx.sharded_ids.add(id(destination[k]))
         elif v.untyped_storage().data_ptr() == storage:  # a hook's view of a full parameter
             destination[k] = v.detach().cpu() if ctx.offload else v.detach().clone()
         else:
@@ -244,7 +245,8 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
             v = buffer_value(v, keep_vars, id(v) in upcast)
             v = v.cpu() if offload else v
         out[clean_key(k)] = v
-    return out, {clean_key(k) for k in ctx.sharded_keys}
+    # By the copies, not by the keys seen then: a checkpoint wrapper around a unit renames them afterwards.
+    return out, {clean_key(k) for k, v in destination.items() if id(v) in ctx.sharded_ids}
 
 
 def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
