@@ -109,6 +109,16 @@ CASES = {
     "meta_without_reset_parameters": (_meta_module, ValueError, ["reset_parameters()", "param_init_fn", "Fix"]),
     "no_sync_inner": (_no_sync_inner, RuntimeError, ["no_sync()", "root"]),
     "hybrid_without_groups": (_hybrid_without_groups, ValueError, ["HYBRID_SHARD", "fsdp_group_size", "Fix"]),
+    # The keywords beyond torch FSDP: refused at construction, by their own names (not at the first forward,
+    # not as an AttributeError, not silently accepted, not under fsdp_group_size's name).
+    "bucket_cap_mb_zero": (functools.partial(zs.FSDP, MLP(), bucket_cap_mb=0), ValueError, ["bucket_cap_mb=0", "Fix"]),
+    "persistence_negative": (functools.partial(zs.FSDP, MLP(), param_persistence_threshold=-1), ValueError,
+                             ["param_persistence_threshold=-1", "Fix"]),
+    "quantizer_not_one": (functools.partial(zs.FSDP, MLP(), quantized_all_gather=True), ValueError,
+                          ["quantized_all_gather=True", "Int8BlockQuant", "Fix"]),
+    "hpz_zero": (functools.partial(zs.FSDP, MLP(), hpz_group_size=0), ValueError, ["hpz_group_size=0", "Fix"]),
+    "hpz_not_a_divisor": (functools.partial(zs.FSDP, MLP(), hpz_group_size=3), ValueError,
+                          ["hpz_group_size=3 does not divide", "Fix"]),
 }
 if not torch.cuda.is_available():  # on a GPU machine tests/test_cuda.py checks the mismatch
     CASES["device_id_without_cuda"] = (_device_id_without_cuda, ValueError, ["device_id=cuda:0", "not available", "Fix"])

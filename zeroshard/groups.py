@@ -25,12 +25,12 @@ HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 _block_groups: dict[tuple[int, int], tuple] = {}
 
 
-def block_groups(k: int):
+def block_groups(k: int, name: str = "fsdp_group_size"):
     """(shard group of this rank's block of k, replicate group of its position)."""
     world = dist.get_world_size()
     if k <= 0 or world % k:
         raise ValueError(
-            f"zeroshard: fsdp_group_size={k} does not divide the world size {world}. "
+            f"zeroshard: {name}={k} does not divide the world size {world}. "
             "Fix: pick a divisor of the world size (e.g. the ranks per node)."
         )
     key = (k, world)
@@ -105,4 +105,4 @@ def hpz_group(k: int, shard_group, strategy):
     if shard_group not in (None, dist.group.WORLD) and dist.get_world_size(shard_group) != dist.get_world_size():
         raise ValueError("zeroshard: hpz_group_size shards secondary copies over blocks of the default group; "
                          "a custom process_group is not supported with it. Fix: leave process_group unset.")
-    return block_groups(k)[0]
+    return block_groups(k, "hpz_group_size")[0]

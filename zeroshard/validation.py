@@ -215,6 +215,28 @@ def split_ignored(ignored_modules, ignored_states, module):
                      "Fix: split them, passing one kind.")
 
 
+def check_extensions(bucket_cap_mb, param_persistence_threshold, quantized_all_gather, hpz_group_size):
+    """The keywords beyond torch FSDP (see bucket, quantize, hpz): checked at
+    construction, so a bad value never reaches the first forward."""
+    def number(v):
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    problems = [
+        (bucket_cap_mb is not None and not (number(bucket_cap_mb) and bucket_cap_mb > 0),
+         f"bucket_cap_mb={bucket_cap_mb!r} must be a positive number of MiB", "pass e.g. 25, or None for no buckets"),
+        (param_persistence_threshold is not None and not (number(param_persistence_threshold) and param_persistence_threshold >= 0),
+         f"param_persistence_threshold={param_persistence_threshold!r} must be a number of elements >= 0",
+         "pass e.g. 100_000, or None to shard every unit"),
+        (quantized_all_gather is not None and not all(callable(getattr(quantized_all_gather, m, None)) for m in ("quantize", "dequantize")),
+         f"quantized_all_gather={quantized_all_gather!r} is not a quantizer", "pass zeroshard.quantize.Int8BlockQuant(), or None"),
+        (hpz_group_size is not None and not (isinstance(hpz_group_size, int) and not isinstance(hpz_group_size, bool) and hpz_group_size >= 1),
+         f"hpz_group_size={hpz_group_size!r} must be a positive number of ranks", "pass a divisor of the world size, or None"),
+    ]
+    for bad, what, fix in problems:
+        if bad:
+            raise ValueError(f"zeroshard: FullyShardedDataParallel: {what}. Fix: {fix}.")
+
+
 def check_homogeneous(states):
     """Units under one root share one runtime, so (as torch FSDP1 requires at
     the first forward) they must agree on ``use_orig_params``,

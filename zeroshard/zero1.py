@@ -116,7 +116,9 @@ class ZeroOneOptimizer:
     # ---------------------------------------------------------------- reduce
     @torch.no_grad()
     def reduce_gradients(self) -> None:
-        """Sum (mean) the accumulated ``.grad``s over ranks into the master chunks' ``.grad``."""
+        """Sum (mean) the accumulated ``.grad``s over ranks into the master chunks' ``.grad``.
+        A parameter without ``.grad`` contributes zeros: its elements are still
+        stepped with the chunk (as in DeepSpeed; DDP would skip the parameter)."""
         pending = []
         for part in self.parts:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in part.params]
