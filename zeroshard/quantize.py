@@ -32,7 +32,10 @@ class Int8BlockQuant:
     """Blockwise symmetric int8 quantization of the all-gathered parameters.
 
     ``scale_dtype``: torch.float32 (exact scales) or torch.float16 (half the
-    scale bytes; a scale's rounding then becomes part of the quantization).
+    scale bytes; a scale's rounding then becomes part of the quantization,
+    and blocks with max|x| above 127 · 65504 ≈ 8.3e6 saturate there).
+    The error per element is at most scale / 2, plus fp32 rounding of
+    ``x / scale`` and ``q · scale`` (at most scale · 2⁻¹⁶ more).
     """
 
     block_size: int = 256
@@ -61,13 +64,16 @@ class Int8BlockQuant:
         # dequantizing use the very same number; rounded up (to the next fp16
         # above) so that no |x| / scale exceeds 127 and the error stays ≤ scale / 2.
         exact = x.abs().amax(dim=1) / 127
+        if self.scale_dtype == torch.float16:  # beyond fp16's range the scale saturates (|x| > 127 * 65504 clip)
+            exact = exact.clamp(max=torch.finfo(torch.float16).max)
         scale = exact.to(self.scale_dtype)
         if self.scale_dtype == torch.float16:
             low = scale.float() < exact  # positive halves: +1 on the bits is the next one up
             scale = torch.where(low, (scale.view(torch.int16) + 1).view(torch.float16), scale)
         s = scale.float()
-        inv = torch.where(s > 0, 1.0 / s, torch.zeros_like(s))
-        q = torch.round(x * inv[:, None]).clamp_(-127, 127).to(torch.int8)
+        # Divided, not multiplied by 1/s: 1/s overflows for tiny scales (absmax below ~4e-37), and one
+        # rounding instead of two keeps the error within scale / 2 up to fp32 rounding.
+        q = torch.round(x / torch.where(s > 0, s, torch.ones_like(s))[:, None]).clamp_(-127, 127).to(torch.int8)
         return torch.cat([q.view(-1), scale.view(torch.int8)])
 
     def dequantize(self, payload: torch.Tensor, numel: int, out: torch.Tensor):
