@@ -339,7 +339,7 @@ def _wrap_skippable(engine, strategy, use_orig_params):
                                         sharding_strategy=getattr(lib.ShardingStrategy, strategy), use_orig_params=use_orig_params)
 
 
-def _metric_forward_with_grad(rank, world_size, strategy, use_orig_params):
+def _metric_forward_with_grad(rank, world_size, strategy, use_orig_params, fused=False):
     """A forward with grad mode on whose output gets no backward (a metric on
     the training batch), between backward and optimizer.step(), kept the root
     (ZeRO-3) or every unit (ZeRO-2) gathered; the next forward reused that
@@ -348,7 +348,7 @@ def _metric_forward_with_grad(rank, world_size, strategy, use_orig_params):
     seen = []
     for engine, metric in (("torch", False), ("zeroshard", True)):
         model = _wrap_skippable(engine, strategy, use_orig_params)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused or None)  # fused: no version-counter bump
         outs = []
         for step in range(3):
             outs.append(model(_x(rank, step)))
@@ -370,6 +370,39 @@ def _metric_forward_with_grad(rank, world_size, strategy, use_orig_params):
                                                       ("SHARD_GRAD_OP", False), ("SHARD_GRAD_OP", True)])
 def test_forward_without_backward_before_the_step_is_not_stale(ranks, strategy, use_orig_params):
     assert all(ranks.run(2, _metric_forward_with_grad, strategy, use_orig_params))
+
+
+def test_forward_without_backward_before_a_fused_step_is_not_stale(ranks):
+    assert all(ranks.run(2, _metric_forward_with_grad, "SHARD_GRAD_OP", True, True))
+
+
+def _skips_by_rank_under_no_sync(rank, world_size):
+    """ZeRO-2 accumulating under no_sync, a unit skipped on one rank only (its
+    data decides) and two forwards before one backward: the check for stale
+    kept units must be the same collective on every rank (it all-reduced one
+    entry per unit kept *here*: 4 on one rank, 3 on the other, a hang). The
+    reference is torch FSDP1 (no collective there at all)."""
+    outs = []
+    for engine in ("torch", "zeroshard"):
+        model = _wrap_skippable(engine, "SHARD_GRAD_OP", False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        skip = (1,) if rank == 1 else ()
+        model(_x(rank, 0)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        with model.no_sync():
+            model(_x(rank, 1)).pow(2).mean().backward()  # every unit stays gathered
+            y = model(_x(rank, 2), skip=skip) + model(_x(rank, 3), skip=skip)
+            y.pow(2).mean().backward()
+        model(_x(rank, 4)).pow(2).mean().backward()
+        opt.step()
+        with torch.no_grad():
+            outs.append(model(_x(rank, 9)))
+    return torch.equal(*outs)
+
+
+def test_units_skipped_by_one_rank_under_no_sync(ranks):
+    assert all(ranks.run(2, _skips_by_rank_under_no_sync, timeout=120))
 
 
 def _second_backward(rank, world_size, strategy, use_orig_params, how):

@@ -221,3 +221,34 @@ class _WithParamDict(nn.Module):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_reading_a_freed_parameter_raises_instead_of_reading_freed_memory(ranks, strategy):
     assert all(ranks.run(2, _freed_parameters_are_refused, strategy))
+
+
+def _summon_between_forward_and_backward(rank, world_size, strategy):
+    """use_orig_params: summon_full_params(writeback=True) between a forward
+    and its backward, editing nothing or a parameter in place; the backward
+    then runs and gives torch FSDP1's gradients and parameters (zeroshard's
+    write-back bumped the version counter the forward's views share, and
+    autograd refused: "a view ... has been modified inplace")."""
+    from models import Block
+    models = _both(lambda: build("mlp"), sharding_strategy=getattr(tfsdp.ShardingStrategy, strategy), use_orig_params=True,
+                   auto_wrap_policy=tfsdp.wrap.ModuleWrapPolicy({Block}))
+    seen = []
+    for m in models:
+        got = []
+        for step, edit in enumerate((False, True)):
+            y = m(batch("mlp", rank, step))
+            with m.summon_full_params(m, writeback=True):
+                if edit:
+                    with torch.no_grad():
+                        m.module.inp.weight.mul_(0.5)
+            y.pow(2).mean().backward()
+            got += [p.grad.clone() for p in m.parameters() if p.grad is not None]
+            with m.summon_full_params(m):
+                got += [p.detach().clone() for p in m.parameters()]
+        seen.append(got)
+    return len(seen[0]) == len(seen[1]) and all(torch.equal(a, b) for a, b in zip(*seen))
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_summon_with_writeback_between_forward_and_backward(ranks, strategy):
+    assert all(ranks.run(2, _summon_between_forward_and_backward, strategy))

@@ -26,10 +26,10 @@ class FullParams:
         Returns what :meth:`exit_full_params` needs to undo it."""
         self.follow_cast()
         self.writeback_orig_params()
-        if self.unsharded and not self.always_full and (
-                self._full.dtype != self.dtype or self.full_quantized or self.kept_version is not None):
-            # Gathered for compute: in low precision, or int8-quantized (qwZ), or kept by a forward whose
-            # backward has not come (an optimizer step since would make it stale): gather exactly again.
+        if self.unsharded and not self.always_full:
+            # A copy gathered for compute may be in low precision, int8-quantized (qwZ), or kept by a forward
+            # whose backward has not come (stale after an optimizer step); and which units hold one may differ
+            # by rank: every rank gathers exactly again.
             self.reshard(free=True)
         # NO_SHARD in place (always_full): the views are the parameters themselves, so changes
         # persist whatever ``writeback`` says, as torch FSDP1 documents for NO_SHARD.
@@ -77,7 +77,9 @@ class FullParams:
     def exit_full_params(self, writeback: bool, undo: dict):
         if self.sharded and writeback:
             start = self.rank * self.layout.shard_numel
-            self.local_shard.copy_(self._full[start : start + self.layout.shard_numel])
+            # Through .data: the write does not bump the version counter the forward's saved views share (a
+            # backward pending since would refuse to run), as torch writes back.
+            self.local_shard.data.copy_(self._full[start : start + self.layout.shard_numel])
             if undo["grads"] is not None:  # with_grads: this rank's part of the (maybe edited) gradient
                 own = undo["grads"][start : start + self.layout.shard_numel]
                 if self.flat_param.grad is None:

@@ -103,7 +103,7 @@ class FlatParamHandle(OrigParams, FullParams):
         self._gather_work = None
         self.prefetched = False
         # shard_version() when a forward kept the unit gathered for its backward; None otherwise (see hooks)
-        self.kept_version: int | None = None
+        self.kept_version: tuple[int, int] | None = None
         self.full_quantized = False  # the gathered buffer holds int8-dequantized values (qwZ), not the shards
         self.needs_pre_forward_unshard = False
         self.needs_pre_backward_unshard = False
@@ -217,11 +217,14 @@ class FlatParamHandle(OrigParams, FullParams):
             self._full_buffers[dtype] = buf
         return self._full_buffers[dtype]
 
-    def shard_version(self) -> int:
-        """A count that moves whenever this rank's shard is changed in place:
-        through the FlatParameter or (use_orig_params) an original parameter."""
+    def shard_version(self) -> tuple[int, int]:
+        """What moves when this rank's shard may have changed: the in-place
+        version counters of the FlatParameter and (use_orig_params) the
+        original parameters, and the count of optimizer steps (fused
+        optimizers update in place without bumping the counters)."""
         v = self.flat_param._version
-        return v + sum(p._version for p in self.orig_params) if self.use_orig_params else v
+        v = v + sum(p._version for p in self.orig_params) if self.use_orig_params else v
+        return v, validation.optimizer_steps[0]
 
     def end_iteration(self):
         """Back to idle after a backward: the next forward starts afresh."""

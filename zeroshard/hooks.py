@@ -58,6 +58,7 @@ class RootRuntime:
         self.pending: list[reduce.PendingReduction] = []
         self.callback_queued = False
         self.in_forward = False  # the root's forward is running (a nested autograd.grad may run inside it)
+        self.forward_pending = False  # the root's last forward had grad mode and no backward has run since
         cap = states[0].bucket_cap_mb  # the root's setting holds for the whole model
         self.bucketer = Bucketer(cap) if cap is not None else None
 
@@ -121,20 +122,25 @@ def _drop_stale_kept(rt):
     """Free units an earlier forward kept gathered for a backward that has
     not come (its output discarded, or a metric computed with grad mode on)
     if the shard changed since (optimizer.step() in between): reused, they
-    would compute with the old parameters (torch FSDP1 does). Whether a
-    shard changed is agreed by the unit's group (one small all-reduce, only
-    when such units exist): a rank whose shard holds no parameter element
-    sees no change, and a one-sided all-gather would hang."""
-    kept = [h for h in rt.handles if h.kept_version is not None and h.unsharded]
+    would compute with the old parameters (torch FSDP1 does). Runs when the
+    root's last forward had grad mode and no backward followed (the same on
+    every rank); each group agrees in one small all-reduce over all its
+    units (fixed size: which units were kept may differ by rank when ranks
+    skip units by their data, and a rank whose shard holds only padding sees
+    no change), so all ranks free the same units."""
+    if not rt.forward_pending:
+        return
+    rt.forward_pending = False
     groups = {}
-    for h in kept:
-        groups.setdefault(h.group, []).append(h)
+    for h in rt.handles:
+        if h.sharded:
+            groups.setdefault(h.group, []).append(h)
     for group, hs in groups.items():
-        changed = torch.tensor([float(h.shard_version() != h.kept_version) for h in hs], device=hs[0].device)
-        comm.all_reduce(changed, group, op=dist.ReduceOp.MAX,
-                        what=f"checking whether unit '{hs[0].unit_name}' kept from the last forward is stale")
+        changed = torch.tensor([float(h.kept_version is not None and h.shard_version() != h.kept_version) for h in hs],
+                               device=hs[0].device)
+        comm.all_reduce(changed, group, op=dist.ReduceOp.MAX, what="checking whether units kept from the last forward are stale")
         for h, c in zip(hs, changed.tolist()):
-            if c:
+            if c and h.unsharded:
                 h.reshard(free=True)
 
 
@@ -244,6 +250,8 @@ def post_forward(state, output):
         handle.state = HandleState.IDLE
     if state._is_root and not torch.is_grad_enabled():  # no backward will come to free them
         _drop_unused_prefetches(state._runtime)
+    if state._is_root and torch.is_grad_enabled() and not _in_backward():
+        state._runtime.forward_pending = True
     _register_pre_backward(state, output)
     return output
 
@@ -390,3 +398,4 @@ def post_backward_final(root):
             handle.end_iteration()
     rt.first_iter = False
     rt.callback_queued = False
+    rt.forward_pending = False

@@ -189,7 +189,7 @@ def _gathered_while_loading(root):
     e.g. to rename legacy keys), and the unit is gathered (writeback) for its
     subtree's load, then written back and freed: at most one root-to-leaf
     path of units is gathered."""
-    stacks, handles = {}, []
+    stacks, opened, handles = {}, [], []
 
     def enter(unit, state_dict, prefix, *args):
         for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + WRAPPED_PREFIX)]:
@@ -198,9 +198,12 @@ def _gathered_while_loading(root):
         if unit._handle is not None:
             stack.enter_context(summon_full_params(unit, recurse=False, writeback=True, inside_summon=True))
         stacks.setdefault(unit, []).append(stack)
+        opened.append(stack)
 
     def leave(unit, incompatible_keys):
-        stacks[unit].pop().close()
+        stack = stacks[unit].pop()
+        opened.remove(stack)
+        stack.close()
 
     try:
         for u in units_of(root):
@@ -210,9 +213,8 @@ def _gathered_while_loading(root):
     finally:
         for h in handles:
             h.remove()
-        for unit_stacks in stacks.values():  # an error inside the load: close what is open
-            while unit_stacks:
-                unit_stacks.pop().close()
+        while opened:  # an error inside the load: close what is open, innermost first (each restores grad mode)
+            opened.pop().close()
 
 
 def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = False, offload: bool = False,
@@ -285,7 +287,8 @@ def _normalize_full(state_dict, current: dict) -> dict:
                       f"{len(stripped)} key(s), e.g. '{stripped[0]}'; this model's keys are the plain model's.", stacklevel=4)
     for k, v in out.items():
         want = getattr(current.get(k), "shape", current.get(k))  # a tensor, or a shape
-        if k in current and torch.is_tensor(v) and tuple(v.shape) != tuple(want):
+        extra = k.endswith("_extra_state")  # set_extra_state takes anything, as in torch
+        if k in current and not extra and torch.is_tensor(v) and tuple(v.shape) != tuple(want):
             raise RuntimeError(f"zeroshard: load_state_dict: '{k}' has shape {tuple(v.shape)} in the state dict but "
                              f"{tuple(want)} in the model. Fix: load a state dict saved from the same model "
                              "configuration.")

@@ -117,7 +117,11 @@ def _check_no_unreduced(optimizer):
                 "(that backward reduce-scatters the accumulated gradient) before stepping, or zero_grad() to discard it.")
 
 
+optimizer_steps = [0]  # optimizer.step() calls in this process (any optimizer): see hooks._drop_stale_kept
+
+
 def _check_optimizer_params(optimizer, args, kwargs):
+    optimizer_steps[0] += 1
     if _unreduced:
         _check_no_unreduced(optimizer)
     if getattr(optimizer, "_zeroshard_checked", False):
