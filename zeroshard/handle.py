@@ -104,7 +104,6 @@ class FlatParamHandle(OrigParams, FullParams):
         self.prefetched = False
         # shard_version() when a forward kept the unit gathered for its backward; None otherwise (see hooks)
         self.kept_version: tuple[int, int] | None = None
-        self.full_quantized = False  # the gathered buffer holds int8-dequantized values (qwZ), not the shards
         self.needs_pre_forward_unshard = False
         self.needs_pre_backward_unshard = False
         self.ran_pre_backward = False
@@ -254,7 +253,6 @@ class FlatParamHandle(OrigParams, FullParams):
             return
         # Casting the shard before the all-gather halves its bytes under bf16/fp16.
         src = self.local_shard.to(self.device, dtype)  # no copy unless offloaded or cast
-        self.full_quantized = self.sharded and self.quant is not None and not full_precision
         if self.sharded:
             self._full = self._full_buffer(dtype)
             self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
