@@ -25,8 +25,9 @@ import warnings
 import torch
 import torch.nn as nn
 
-from .state_dict import (CHECKPOINT_PREFIX, FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key, plain_module_behaviour,
-                         summon_full_params, units_of)
+from .state_dict import (CHECKPOINT_PREFIX, FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key,
+                         plain_module_behaviour)
+from .summon import summon_full_params, units_of
 
 
 def _layout(root, prefix: str):

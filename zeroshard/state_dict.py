@@ -92,8 +92,9 @@ def _unit_copies(h) -> list[torch.Tensor]:
 
 class _Walk:
     """One FULL/SHARDED ``state_dict()`` walk under way (see :func:`walk_unit`):
-    whether to copy (not off rank 0 with rank0_only), to the CPU or not, and
-    which keys got copies (of sharded units' parameters)."""
+    whether to copy (not off rank 0 with rank0_only), to the CPU or not, or
+    only to record full shapes (load's check); which keys got copies, and the
+    ids of the copies of sharded units' parameters."""
 
     def __init__(self, copy: bool, offload: bool, shapes: bool = False):
         self.copy, self.offload, self.shapes = copy, offload, shapes
@@ -189,7 +190,7 @@ def _gathered_while_loading(root):
     e.g. to rename legacy keys), and the unit is gathered (writeback) for its
     subtree's load, then written back and freed: at most one root-to-leaf
     path of units is gathered."""
-    stacks, opened, handles = {}, [], []
+    opened, handles = [], []  # the open units' summons, innermost last (nn.Module's load nests pre/post hooks)
 
     def enter(unit, state_dict, prefix, *args):
         for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + WRAPPED_PREFIX)]:
@@ -197,13 +198,10 @@ def _gathered_while_loading(root):
         stack = contextlib.ExitStack()
         if unit._handle is not None:
             stack.enter_context(summon_full_params(unit, recurse=False, writeback=True, inside_summon=True))
-        stacks.setdefault(unit, []).append(stack)
         opened.append(stack)
 
     def leave(unit, incompatible_keys):
-        stack = stacks[unit].pop()
-        opened.remove(stack)
-        stack.close()
+        opened.pop().close()
 
     try:
         for u in units_of(root):
@@ -327,7 +325,7 @@ def load(root, state_dict, strict: bool = True):
             problem = e
         _raise_if_any_rank_failed(root, problem)
         with _gathered_while_loading(root):
-            result = nn.Module.load_state_dict(root, dict(state_dict), strict=False)
+            result = nn.Module.load_state_dict(root, state_dict, strict=False)
         missing, unexpected = [clean_key(k) for k in result.missing_keys], [clean_key(k) for k in result.unexpected_keys]
         if strict and (missing or unexpected):  # nn.Module's error, with the plain model's names as torch FSDP1 gives
             errors = [f"{what} key(s) in state_dict: " + ", ".join(f'"{k}"' for k in keys) + ". "
