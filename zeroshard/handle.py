@@ -104,6 +104,9 @@ class FlatParamHandle(OrigParams, FullParams):
         self.prefetched = False
         # shard_version() when a forward kept the unit gathered for its backward; None otherwise (see hooks)
         self.kept_version: tuple[int, int] | None = None
+        # A create_graph backward kept the full parameters for the backward through its graph,
+        # the FlatParameter pointing at the shard meanwhile (see hooks.post_backward_final)
+        self.graph_kept = False
         self.needs_pre_forward_unshard = False
         self.needs_pre_backward_unshard = False
         self.ran_pre_backward = False
@@ -280,6 +283,7 @@ class FlatParamHandle(OrigParams, FullParams):
             if trace._active:
                 trace.gather_waited(self.unit_name, t)
         self.flat_param.data = self._full[: self.layout.numel]
+        self.graph_kept = False
         self.use_unsharded_views()
 
     def use_unsharded_views(self):
@@ -321,7 +325,7 @@ class FlatParamHandle(OrigParams, FullParams):
             if self.sharded:
                 self._full.untyped_storage().resize_(0)
             self._full = None
-            self.unsharded = False
+            self.unsharded = self.graph_kept = False
             self.kept_version = None
             unsharded_tracker.remove(self)
             if self.sharded and not self.use_orig_params:

@@ -27,16 +27,14 @@ Either way a unit is gathered once for backward and reduced once.
 from __future__ import annotations
 
 import dataclasses
-import warnings
 import weakref
 
 import torch
-import torch.distributed as dist
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 from torch.nn.utils.rnn import PackedSequence
 
-from . import comm, reduce, trace, validation
+from . import kept, reduce, trace, validation
 from .bucket import Bucketer
 from .handle import RESHARD_AFTER_FORWARD, HandleState
 from .mixed_precision import buffers_for_mode
@@ -59,6 +57,7 @@ class RootRuntime:
         self.callback_queued = False
         self.in_forward = False  # the root's forward is running (a nested autograd.grad may run inside it)
         self.forward_pending = False  # the root's last forward had grad mode and no backward has run since
+        self.graph_backward = False  # the running backward has create_graph=True
         cap = states[0].bucket_cap_mb  # the root's setting holds for the whole model
         self.bucketer = Bucketer(cap) if cap is not None else None
 
@@ -84,72 +83,13 @@ def _live_non_root(rt) -> int:
     return sum(h.unsharded and h.sharded and not h.is_root for h in rt.handles)
 
 
-@torch.no_grad()
-def _recover_from_interrupted_backward(rt):
-    """An exception inside backward (caught by the user, e.g. an OOM on one
-    batch) skips the end-of-backward callback. Complete the reductions already
-    issued (the other ranks issued them too), discard the partial gradients
-    they carry, and return every unit to its sharded, idle state so the next
-    step trains normally instead of silently computing no gradients."""
-    warnings.warn("zeroshard: the previous backward did not complete (an exception inside it?); its partial "
-                  "gradients were discarded and all units were resharded.", stacklevel=3)
-    reduce.finish_reductions(rt.pending)
-    if rt.bucketer is not None:
-        rt.bucketer.discard()  # never launched: nothing to match on the other ranks
-    for state in rt.states:
-        h = state._handle
-        if h is None:
-            continue
-        h.saved_grad_shard = None
-        if not h.always_full:  # NO_SHARD's low-precision copy too
-            h.reshard(free=True)
-        h.end_iteration()
-    rt.callback_queued = False
-
-
 # ----------------------------------------------------------------- forward
-def _drop_unused_prefetches(rt):
-    """Free units a forward prefetch gathered but that did not run (skipped
-    this time). Left gathered, their next forward would reuse the copy even
-    after the optimizer changed the shard."""
-    for h in rt.handles:
-        if h.prefetched and h.unsharded:
-            h.reshard(free=True)
-
-
-@torch.no_grad()
-def _drop_stale_kept(rt):
-    """Free units an earlier forward kept gathered for a backward that has
-    not come (its output discarded, or a metric computed with grad mode on)
-    if the shard changed since (optimizer.step() in between): reused, they
-    would compute with the old parameters (torch FSDP1 does). Runs when the
-    root's last forward had grad mode and no backward followed (the same on
-    every rank); each group agrees in one small all-reduce over all its
-    units (fixed size: which units were kept may differ by rank when ranks
-    skip units by their data, and a rank whose shard holds only padding sees
-    no change), so all ranks free the same units."""
-    if not rt.forward_pending:
-        return
-    rt.forward_pending = False
-    groups = {}
-    for h in rt.handles:
-        if h.sharded:
-            groups.setdefault(h.group, []).append(h)
-    for group, hs in groups.items():
-        changed = torch.tensor([float(h.kept_version is not None and h.shard_version() != h.kept_version) for h in hs],
-                               device=hs[0].device)
-        comm.all_reduce(changed, group, op=dist.ReduceOp.MAX, what="checking whether units kept from the last forward are stale")
-        for h, c in zip(hs, changed.tolist()):
-            if c and h.unsharded:
-                h.reshard(free=True)
-
-
 def root_pre_forward(state):
     rt = state._runtime
     if rt.callback_queued:  # the last backward never reached its end: it raised
-        _recover_from_interrupted_backward(rt)
-    _drop_unused_prefetches(rt)
-    _drop_stale_kept(rt)
+        kept.recover_from_interrupted_backward(rt)
+    kept.drop_unused_prefetches(rt)
+    kept.drop_stale_kept(rt)
     rt.post_forward_order.clear()
     buffers_for_mode(state, rt.states)
     for h in rt.handles:
@@ -183,7 +123,7 @@ def pre_forward(state):
             _prefetch(state, handle, rt.pre_forward_order[nxt])
 
 
-def _hook_post_backward(state, handle):
+def _hook_post_backward(state, handle, node=None):
     """Run ``post_backward`` when the FlatParameter's gradient is complete.
 
     The hook goes on the FlatParameter's AccumulateGrad node of the first
@@ -202,15 +142,35 @@ def _hook_post_backward(state, handle):
     unit = weakref.ref(state)
     if not handle.accumulate_hooked:
         flat.register_post_accumulate_grad_hook(lambda p: _note_accumulated(unit()))
+        flat.register_hook(lambda g: _before_accumulate(unit()))
         handle.accumulate_hooked = True
     if handle.post_backward_hook is None:
-        node = flat.expand_as(flat).grad_fn.next_functions[0][0]
+        node = node or _accumulate_node(flat)
         handle.post_backward_hook = (node, node.register_hook(lambda *_: post_backward(unit(), flat)))
+
+
+def _accumulate_node(flat):
+    return flat.expand_as(flat).grad_fn.next_functions[0][0]
 
 
 def _note_accumulated(state):
     if state is not None:
         state._handle.grad_accumulated = True
+
+
+def _before_accumulate(state):
+    if state is None:
+        return
+    _start_backward(state._runtime, state._is_root)
+    # Between a create_graph backward and the backward through its graph, a kept unit's
+    # FlatParameter is its shard (for the optimizer); the gradient coming is unsharded.
+    # When no pre-backward ran (the unit's output not reached, only that graph), a reduced
+    # gradient from before moves aside for it here.
+    handle = state._handle
+    if handle.graph_kept:
+        handle.wait_unshard()
+    if not handle.ran_pre_backward:
+        handle.prepare_gradient_for_backward()
 
 
 @torch.compiler.disable  # runs eagerly under torch.compile (see FullyShardedDataParallel.forward)
@@ -249,7 +209,7 @@ def post_forward(state, output):
             handle.use_grad_views_after_forward()
         handle.state = HandleState.IDLE
     if state._is_root and not torch.is_grad_enabled():  # no backward will come to free them
-        _drop_unused_prefetches(state._runtime)
+        kept.drop_unused_prefetches(state._runtime)
     if state._is_root and torch.is_grad_enabled() and not _in_backward():
         state._runtime.forward_pending = True
     _register_pre_backward(state, output)
@@ -293,34 +253,45 @@ def _register_pre_backward(state, output):
 
 
 # ----------------------------------------------------------------- backward
+def _start_backward(rt, from_root: bool):
+    """Queue the end-of-backward callback, once per backward, from its first
+    pre-backward or first gradient. Usually the root's outputs start backward;
+    a loss built only from an inner unit's output (the root's unused), or only
+    from a graph an earlier create_graph backward built, must still end with the
+    root's callback (torch FSDP1 raises in the first case; without it gradients
+    would silently stay unreduced). Not from an autograd.grad inside the root's
+    forward: the callback would end the step there."""
+    if rt.callback_queued or (rt.in_forward and not from_root):
+        return
+    rt.callback_queued = True
+    rt.graph_backward = torch.is_grad_enabled()  # create_graph=True: a later backward runs through this one
+    root = rt.states[0]
+    Variable._execution_engine.queue_callback(lambda: post_backward_final(root))
+    for h in rt.handles:
+        h.reset_grad_if_orig_grads_none()
+        h.note_grads_at_backward()
+
+
 def pre_backward(state):
     handle = state._handle
     if handle is not None and handle.ran_pre_backward:
         return
     rt = state._runtime
-    # Usually the root's outputs start backward; a loss built only from an inner
-    # unit's output (the root's unused) must still end with the root's callback
-    # (torch FSDP1 raises there; without it the gradients would silently stay unreduced).
-    # Not from an autograd.grad inside the root's forward: the callback would end the step there.
-    if not rt.callback_queued and (state._is_root or not rt.in_forward):
-        rt.callback_queued = True
-        root = rt.states[0]
-        Variable._execution_engine.queue_callback(lambda: post_backward_final(root))
-        for h in rt.handles:
-            h.reset_grad_if_orig_grads_none()
-            h.note_grads_at_backward()
+    _start_backward(rt, state._is_root)
     if handle is None:
         return
     handle.state = HandleState.BACKWARD_PRE
     handle.kept_version = None
-    if not handle.needs_pre_backward_unshard and handle.sharded and not handle.unsharded:
-        # A second backward through a forward whose backward already ran and
-        # freed the unit (retain_graph=True, or an autograd.grad before it):
-        # gather again and hook the post-backward anew; its gradient then adds
-        # to the first one's reduced shard as an accumulated micro-batch does.
-        handle.needs_pre_backward_unshard = True
+    # A second backward through a forward whose backward already ran
+    # (retain_graph=True, or an autograd.grad before it): hook the post-backward
+    # anew, and gather again unless that backward built a graph and kept the
+    # unit; its gradient then adds to the first one's reduced shard as an
+    # accumulated micro-batch does.
+    if handle.post_backward_hook is None:
         with torch.enable_grad():
             _hook_post_backward(state, handle)
+    if not handle.needs_pre_backward_unshard and handle.sharded and (handle.graph_kept or not handle.unsharded):
+        handle.needs_pre_backward_unshard = True
     if handle.needs_pre_backward_unshard:
         _unshard_for_compute(state, handle)
     if trace._active:
@@ -390,12 +361,27 @@ def post_backward_final(root):
                 trace.span_end("backward", handle.unit_name)
             # Still gathered (outputs unused by the loss, a frozen unit), or views left in place of the
             # original parameters (a frozen NO_SHARD unit: no post-backward re-registered them).
+            # A backward with create_graph=True (a gradient penalty) keeps the full parameters of the
+            # units it gathered: the graph it built holds them for the backward still to come.
+            graph = rt.graph_backward and handle.ran_pre_backward and handle.flat_param.requires_grad
+            keep = graph and handle.unsharded and handle.sharded
+            if graph:
+                # The node that graph's parameters feed, taken before the reshard: under mixed
+                # precision a new dtype of .data gives later forwards other nodes, which run
+                # first in that backward, and the post-backward must wait for this one.
+                with torch.enable_grad():
+                    node = _accumulate_node(handle.flat_param)
             if (handle.unsharded and not handle.always_full) or (handle.use_orig_params and not handle.orig_exposed):
-                handle.reshard(_free_in_backward(state, handle))
+                handle.reshard(not keep and _free_in_backward(state, handle))
             handle.secondary = None
             if handle.flat_param.requires_grad and state._sync_gradients:
                 handle.prepare_gradient_for_optim()
             handle.end_iteration()
+            if keep:  # freed by the next forward if an optimizer step changes the shard
+                handle.kept_version, handle.graph_kept = handle.shard_version(), True
+            if graph:
+                with torch.enable_grad():
+                    _hook_post_backward(state, handle, node)
     rt.first_iter = False
     rt.callback_queued = False
-    rt.forward_pending = False
+    rt.forward_pending = rt.graph_backward  # units kept: the next forward checks them for staleness

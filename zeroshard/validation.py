@@ -117,7 +117,7 @@ def _check_no_unreduced(optimizer):
                 "(that backward reduce-scatters the accumulated gradient) before stepping, or zero_grad() to discard it.")
 
 
-optimizer_steps = [0]  # optimizer.step() calls in this process (any optimizer): see hooks._drop_stale_kept
+optimizer_steps = [0]  # optimizer.step() calls in this process (any optimizer): see kept.drop_stale_kept
 
 
 def _check_optimizer_params(optimizer, args, kwargs):

@@ -1,0 +1,78 @@
+"""Units left gathered past their compute, and a backward that never ended.
+
+ZeRO-3 frees a unit's full parameters as soon as its forward or backward is
+done; a few paths leave them gathered for a while (a forward prefetch whose
+unit was skipped, a forward with grad mode whose backward never came, a
+create_graph backward whose graph is still to be backpropagated: see
+hooks.post_backward_final). Before the next root forward these must not be
+reused if the optimizer changed the shard since. And an exception inside
+backward skips the end-of-backward callback, so the runtime is put back in a
+state the next step can train from.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from . import comm, reduce
+
+
+@torch.no_grad()
+def recover_from_interrupted_backward(rt):
+    """An exception inside backward (caught by the user, e.g. an OOM on one
+    batch) skips the end-of-backward callback. Complete the reductions already
+    issued (the other ranks issued them too), discard the partial gradients
+    they carry, and return every unit to its sharded, idle state so the next
+    step trains normally instead of silently computing no gradients."""
+    warnings.warn("zeroshard: the previous backward did not complete (an exception inside it?); its partial "
+                  "gradients were discarded and all units were resharded.", stacklevel=3)
+    reduce.finish_reductions(rt.pending)
+    if rt.bucketer is not None:
+        rt.bucketer.discard()  # never launched: nothing to match on the other ranks
+    for state in rt.states:
+        h = state._handle
+        if h is None:
+            continue
+        h.saved_grad_shard = None
+        if not h.always_full:  # NO_SHARD's low-precision copy too
+            h.reshard(free=True)
+        h.end_iteration()
+    rt.callback_queued = False
+
+
+def drop_unused_prefetches(rt):
+    """Free units a forward prefetch gathered but that did not run (skipped
+    this time). Left gathered, their next forward would reuse the copy even
+    after the optimizer changed the shard."""
+    for h in rt.handles:
+        if h.prefetched and h.unsharded:
+            h.reshard(free=True)
+
+
+@torch.no_grad()
+def drop_stale_kept(rt):
+    """Free units an earlier forward kept gathered for a backward that has
+    not come (its output discarded, or a metric computed with grad mode on)
+    if the shard changed since (optimizer.step() in between): reused, they
+    would compute with the old parameters (torch FSDP1 does). Runs when the
+    root's last forward had grad mode and no backward followed (the same on
+    every rank); each group agrees in one small all-reduce over all its
+    units (fixed size: which units were kept may differ by rank when ranks
+    skip units by their data, and a rank whose shard holds only padding sees
+    no change), so all ranks free the same units."""
+    if not rt.forward_pending:
+        return
+    rt.forward_pending = False
+    groups = {}
+    for h in rt.handles:
+        if h.sharded:
+            groups.setdefault(h.group, []).append(h)
+    for group, hs in groups.items():
+        changed = torch.tensor([float(h.kept_version is not None and h.shard_version() != h.kept_version) for h in hs],
+                               device=hs[0].device)
+        comm.all_reduce(changed, group, op=dist.ReduceOp.MAX, what="checking whether units kept from the last forward are stale")
+        for h, c in zip(hs, changed.tolist()):
+            if c and h.unsharded:
+                h.reshard(free=True)
