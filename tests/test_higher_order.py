@@ -71,6 +71,15 @@ def _critic_loss(model, x):
     return model(x[3:]).mean() - model(x[:3]).mean()
 
 
+def _forward_between(model, x, grad_mode):
+    """A forward between the penalty's create_graph backward and the backward
+    through its graph (a logged score): it must not free the units that graph holds."""
+    gp = _wgan_gp(model, x, "penalty")
+    with torch.set_grad_enabled(grad_mode):
+        model(x).mean().item()
+    return gp
+
+
 # how: (model, [(loss, reduce after it?) for each backward of a step])
 HOW = {
     "input": (_critic, [(_input_penalty, True)]),
@@ -81,6 +90,8 @@ HOW = {
     # The penalty's own backward reaches the last unit only through the graph of
     # gradients, never through that unit's output.
     "penalty_backward_alone": (_critic, [(_critic_loss, True), (lambda m, x: _wgan_gp(m, x, "penalty"), True)]),
+    "no_grad_forward_between": (_critic, [(lambda m, x: _forward_between(m, x, False), True)]),
+    "grad_forward_between": (_critic, [(lambda m, x: _forward_between(m, x, True), True)]),
 }
 
 
@@ -140,6 +151,8 @@ def _gradient_penalty(rank, world_size, how, strategy, use_orig_params):
     ("parameters", "FULL_SHARD", False), ("parameters", "SHARD_GRAD_OP", True),
     ("wgan_gp", "FULL_SHARD", False), ("wgan_gp", "FULL_SHARD", True), ("wgan_gp", "SHARD_GRAD_OP", False),
     ("penalty_backward_alone", "FULL_SHARD", False), ("penalty_backward_alone", "SHARD_GRAD_OP", True),
+    ("no_grad_forward_between", "FULL_SHARD", False), ("no_grad_forward_between", "SHARD_GRAD_OP", True),
+    ("grad_forward_between", "FULL_SHARD", True),
 ])
 def test_gradient_penalty_trains_as_ddp_would(ranks, how, strategy, use_orig_params):
     assert all(ranks.run(2, _gradient_penalty, how, strategy, use_orig_params))

@@ -104,9 +104,13 @@ class FlatParamHandle(OrigParams, FullParams):
         self.prefetched = False
         # shard_version() when a forward kept the unit gathered for its backward; None otherwise (see hooks)
         self.kept_version: tuple[int, int] | None = None
-        # A create_graph backward kept the full parameters for the backward through its graph,
-        # the FlatParameter pointing at the shard meanwhile (see hooks.post_backward_final)
+        # A create_graph backward built a graph holding this unit's full parameters, still to be
+        # backpropagated: the AccumulateGrad node it feeds, whether the full buffer is kept for it
+        # (the FlatParameter pointing at the shard meanwhile) and the shard_version() it holds
+        # (see hooks.post_backward_final)
+        self.graph_node = None
         self.graph_kept = False
+        self.graph_version: tuple[int, int] | None = None
         self.needs_pre_forward_unshard = False
         self.needs_pre_backward_unshard = False
         self.ran_pre_backward = False
@@ -283,7 +287,6 @@ class FlatParamHandle(OrigParams, FullParams):
             if trace._active:
                 trace.gather_waited(self.unit_name, t)
         self.flat_param.data = self._full[: self.layout.numel]
-        self.graph_kept = False
         self.use_unsharded_views()
 
     def use_unsharded_views(self):
@@ -327,6 +330,8 @@ class FlatParamHandle(OrigParams, FullParams):
             self._full = None
             self.unsharded = self.graph_kept = False
             self.kept_version = None
+            if self.sharded:  # the full parameters a pending graph of gradients held are gone
+                self.graph_node = None
             unsharded_tracker.remove(self)
             if self.sharded and not self.use_orig_params:
                 self._placeholder_views()

@@ -145,8 +145,9 @@ def _hook_post_backward(state, handle, node=None):
         flat.register_hook(lambda g: _before_accumulate(unit()))
         handle.accumulate_hooked = True
     if handle.post_backward_hook is None:
+        graph = node is not None  # the node a create_graph backward's graph feeds (post_backward_final)
         node = node or _accumulate_node(flat)
-        handle.post_backward_hook = (node, node.register_hook(lambda *_: post_backward(unit(), flat)))
+        handle.post_backward_hook = (node, node.register_hook(lambda *_: post_backward(unit(), flat, graph)))
 
 
 def _accumulate_node(flat):
@@ -167,7 +168,7 @@ def _before_accumulate(state):
     # When no pre-backward ran (the unit's output not reached, only that graph), a reduced
     # gradient from before moves aside for it here.
     handle = state._handle
-    if handle.graph_kept:
+    if handle.graph_kept and handle.flat_param.data_ptr() != handle._full.data_ptr():
         handle.wait_unshard()
     if not handle.ran_pre_backward:
         handle.prepare_gradient_for_backward()
@@ -201,7 +202,7 @@ def post_forward(state, output):
         # views until their backward, as torch does (its skipped sharded views):
         # model.parameters() then reads the full values the forward used.
         zero2_kept = torch.is_grad_enabled() and handle.sharded and handle.strategy not in RESHARD_AFTER_FORWARD
-        handle.reshard(free=not keep, sharded_views=not zero2_kept)
+        handle.reshard(free=not keep and not handle.graph_kept, sharded_views=not zero2_kept)
         if keep and handle.sharded and not recompute:
             handle.kept_version = handle.shard_version()
         # torch re-points the grads too (NO_SHARD included: a frozen parameter's grad goes back to None)
@@ -318,7 +319,7 @@ def _free_in_backward(state, handle) -> bool:
 
 
 @torch.no_grad()
-def post_backward(state, flat_param):
+def post_backward(state, flat_param, through_graph=False):
     handle = state._handle
     handle.post_backward_called = True
     handle.state = HandleState.BACKWARD_POST
@@ -327,8 +328,18 @@ def post_backward(state, flat_param):
     if flat_param.grad is None:
         return
     if flat_param.grad.requires_grad:
-        raise RuntimeError("zeroshard: gradients of gradients (create_graph=True) are not supported by FSDP units.")
-    handle.reshard(_free_in_backward(state, handle))
+        raise RuntimeError(
+            f"zeroshard: backward(create_graph=True) reached the parameters of unit '{handle.unit_name}': "
+            "gradients of their gradients are not supported (the reduced gradients are shards). For a "
+            "gradient penalty, take the gradient with torch.autograd.grad(out, inputs, create_graph=True) "
+            "(or backward(inputs=..., create_graph=True)) and call backward() on the penalty as usual.")
+    free = _free_in_backward(state, handle)
+    if handle.graph_node is not None:  # a create_graph backward's graph holds this unit (post_backward_final)
+        if through_graph:  # this backward reached the node that graph feeds: done with it
+            handle.graph_node, handle.graph_kept = None, False
+        else:  # another backward: the graph still needs the full parameters
+            free = False
+    handle.reshard(free)
     if state.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
         _prefetch(state, handle, _backward_target(state._runtime, handle))
     validation.note_unreduced(handle, handle.sharded and not state._sync_gradients)
@@ -362,26 +373,23 @@ def post_backward_final(root):
             # Still gathered (outputs unused by the loss, a frozen unit), or views left in place of the
             # original parameters (a frozen NO_SHARD unit: no post-backward re-registered them).
             # A backward with create_graph=True (a gradient penalty) keeps the full parameters of the
-            # units it gathered: the graph it built holds them for the backward still to come.
-            graph = rt.graph_backward and handle.ran_pre_backward and handle.flat_param.requires_grad
-            keep = graph and handle.unsharded and handle.sharded
-            if graph:
-                # The node that graph's parameters feed, taken before the reshard: under mixed
-                # precision a new dtype of .data gives later forwards other nodes, which run
-                # first in that backward, and the post-backward must wait for this one.
+            # units it gathered: the graph it built holds them for the backward still to come. The
+            # post-backward waits for the node that graph feeds, taken before the reshard: under mixed
+            # precision a new dtype of .data gives later forwards other nodes, which run first.
+            if rt.graph_backward and handle.ran_pre_backward and handle.flat_param.requires_grad:
                 with torch.enable_grad():
-                    node = _accumulate_node(handle.flat_param)
+                    handle.graph_node = _accumulate_node(handle.flat_param)
+                handle.graph_kept = handle.unsharded and handle.sharded
+                handle.graph_version = handle.shard_version()
             if (handle.unsharded and not handle.always_full) or (handle.use_orig_params and not handle.orig_exposed):
-                handle.reshard(not keep and _free_in_backward(state, handle))
+                handle.reshard(not handle.graph_kept and _free_in_backward(state, handle))
             handle.secondary = None
             if handle.flat_param.requires_grad and state._sync_gradients:
                 handle.prepare_gradient_for_optim()
             handle.end_iteration()
-            if keep:  # freed by the next forward if an optimizer step changes the shard
-                handle.kept_version, handle.graph_kept = handle.shard_version(), True
-            if graph:
+            if handle.graph_node is not None:
                 with torch.enable_grad():
-                    _hook_post_backward(state, handle, node)
+                    _hook_post_backward(state, handle, handle.graph_node)
     rt.first_iter = False
     rt.callback_queued = False
-    rt.forward_pending = rt.graph_backward  # units kept: the next forward checks them for staleness
+    rt.forward_pending = any(h.graph_kept for h in rt.handles)  # the next forward checks them for staleness

@@ -56,13 +56,14 @@ def drop_stale_kept(rt):
     """Free units an earlier forward kept gathered for a backward that has
     not come (its output discarded, or a metric computed with grad mode on)
     if the shard changed since (optimizer.step() in between): reused, they
-    would compute with the old parameters (torch FSDP1 does). Runs when the
-    root's last forward had grad mode and no backward followed (the same on
-    every rank); each group agrees in one small all-reduce over all its
+    would compute with the old parameters (torch FSDP1 does). Likewise units
+    kept for a create_graph backward's graph. Runs when the root's last
+    forward had grad mode and no backward followed, or while such a graph is
+    pending (the same on every rank); each group agrees in one small all-reduce over all its
     units (fixed size: which units were kept may differ by rank when ranks
     skip units by their data, and a rank whose shard holds only padding sees
     no change), so all ranks free the same units."""
-    if not rt.forward_pending:
+    if not rt.forward_pending and not any(h.graph_kept for h in rt.handles):
         return
     rt.forward_pending = False
     groups = {}
@@ -70,9 +71,13 @@ def drop_stale_kept(rt):
         if h.sharded:
             groups.setdefault(h.group, []).append(h)
     for group, hs in groups.items():
-        changed = torch.tensor([float(h.kept_version is not None and h.shard_version() != h.kept_version) for h in hs],
-                               device=hs[0].device)
+        changed = torch.tensor([float(_stale(h)) for h in hs], device=hs[0].device)
         comm.all_reduce(changed, group, op=dist.ReduceOp.MAX, what="checking whether units kept from the last forward are stale")
         for h, c in zip(hs, changed.tolist()):
             if c and h.unsharded:
                 h.reshard(free=True)
+
+
+def _stale(h) -> bool:
+    kept = h.graph_version if h.graph_kept else h.kept_version
+    return kept is not None and h.shard_version() != kept
