@@ -392,4 +392,4 @@ def post_backward_final(root):
                     _hook_post_backward(state, handle, handle.graph_node)
     rt.first_iter = False
     rt.callback_queued = False
-    rt.forward_pending = any(h.graph_kept for h in rt.handles)  # the next forward checks them for staleness
+    rt.forward_pending = False

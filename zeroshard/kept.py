@@ -59,10 +59,11 @@ def drop_stale_kept(rt):
     would compute with the old parameters (torch FSDP1 does). Likewise units
     kept for a create_graph backward's graph. Runs when the root's last
     forward had grad mode and no backward followed, or while such a graph is
-    pending (the same on every rank); each group agrees in one small all-reduce over all its
-    units (fixed size: which units were kept may differ by rank when ranks
-    skip units by their data, and a rank whose shard holds only padding sees
-    no change), so all ranks free the same units."""
+    pending (the same on every rank); each group agrees in one small
+    all-reduce over all its units (fixed size: which units were kept may
+    differ by rank when ranks skip units by their data, and a rank whose
+    shard holds only padding sees no change), so all ranks free the same
+    units."""
     if not rt.forward_pending and not any(h.graph_kept for h in rt.handles):
         return
     rt.forward_pending = False
