@@ -32,6 +32,8 @@ import time
 
 import torch
 
+from flatten_bench import random_sizes  # the same sizes as the single-call benchmark (this folder is on sys.path)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1 << 20
 CASES = [  # (tensors, payload bytes, dtype)
@@ -55,14 +57,6 @@ def build(name: str, cu: str):
         extra_cuda_cflags=["-O3", "-DZEROSHARD_WITH_CUDA", "-Xptxas", "-v"],
         build_directory=directory,
     )
-
-
-def random_sizes(n, total_numel, gen):
-    """n sizes >= 1 summing to total_numel, spread over ~3 orders of magnitude."""
-    w = torch.exp(torch.rand(n, generator=gen, dtype=torch.float64) * 7)
-    sizes = (w / w.sum() * (total_numel - n)).floor().long() + 1
-    sizes[-1] += total_numel - int(sizes.sum())
-    return sizes.tolist()
 
 
 def graph_us(fn, inner=10, reps=30):

@@ -28,6 +28,11 @@ def _critic():
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Linear(8, 1))
 
 
+def _unit_norm(g):
+    """WGAN-GP's penalty: each sample's input gradient pushed to norm 1."""
+    return (g.norm(2, dim=1) - 1).pow(2).mean()
+
+
 class PenaltyInForward(nn.Module):
     """The penalty is computed inside the root's forward (an inner unit's input gradient)."""
 
@@ -39,14 +44,14 @@ class PenaltyInForward(nn.Module):
         x = x.detach().requires_grad_(True)
         out = self.net(x)
         (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-        return out.pow(2).mean() + (g.norm(2, dim=1) - 1).pow(2).mean()
+        return out.pow(2).mean() + _unit_norm(g)
 
 
 def _input_penalty(model, x):
     x = x.detach().requires_grad_(True)
     out = model(x)
     (g,) = torch.autograd.grad(out.sum(), x, create_graph=True)
-    return out.mean() + 10 * (g.norm(2, dim=1) - 1).pow(2).mean()
+    return out.mean() + 10 * _unit_norm(g)
 
 
 def _param_penalty(model, x):
@@ -63,7 +68,7 @@ def _wgan_gp(model, x, parts="all"):
     eps = torch.linspace(0.2, 0.8, 3)[:, None]
     interp = (eps * real + (1 - eps) * fake).requires_grad_(True)
     (g,) = torch.autograd.grad(model(interp).sum(), interp, create_graph=True)
-    gp = 10 * (g.norm(2, dim=1) - 1).pow(2).mean()
+    gp = 10 * _unit_norm(g)
     return gp if parts == "penalty" else model(fake).mean() - model(real).mean() + gp
 
 
