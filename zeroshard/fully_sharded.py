@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
-from . import comm_hooks, groups, hooks, local_state, materialize, optim_legacy, optim_load, optim_state, validation
+from . import (comm_hooks, groups, hooks, local_state, materialize, optim_legacy, optim_load, optim_state, parent_load,
+               validation)
 from . import state_dict as sd
 from .bucket import unit_strategy
 from .flat_param import collect_params, kept_out
@@ -173,6 +174,7 @@ class FullyShardedDataParallel(nn.Module):
         self._sync_gradients = True
         self._state_dict_type = StateDictType.FULL_STATE_DICT
         self._state_dict_config = FullStateDictConfig()
+        self.register_load_state_dict_post_hook(parent_load.after_parent_load)
 
     # ------------------------------------------------------------------ runtime
     @property
@@ -287,7 +289,13 @@ class FullyShardedDataParallel(nn.Module):
         if assign:
             raise ValueError("zeroshard: load_state_dict(assign=True) would replace the sharded parameters. Fix: use assign=False.")
         self._lazy_init()
-        return (local_state if self._state_dict_type == StateDictType.LOCAL_STATE_DICT else sd).load(self, state_dict, strict)
+        with parent_load.own_load():
+            return (local_state if self._state_dict_type == StateDictType.LOCAL_STATE_DICT else sd).load(self, state_dict, strict)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
+        if parent_load.own_load_active():  # a unit's own load walks the tree as nn.Module does
+            return super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
+        parent_load.load_from_parent(self, state_dict, prefix, local_metadata)  # a plain parent's load_state_dict
 
     @staticmethod
     def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False):
