@@ -119,24 +119,39 @@ def _gather_rows(local: torch.Tensor, shape, group) -> torch.Tensor:
     return out[: shape[0]]
 
 
+def check_row_shard(value) -> None:
+    """Raises :func:`from_row_shard`'s ValueError for a value it cannot load,
+    without communicating (a load checks every value before it gathers any)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if type(value).__name__ == "ShardedTensor":
+        shape = tuple(value.metadata().size)
+        for m in value.metadata().shards_metadata:
+            if any(m.shard_offsets[1:]) or tuple(m.shard_sizes[1:]) != shape[1:]:
+                raise ValueError(f"zeroshard: cannot load a ShardedTensor with shard {m}: only dim-0 chunks (torch "
+                                 "FSDP1's SHARDED format) are supported.")
+    elif isinstance(value, DTensor):
+        sharded = [p for p in value.placements if not isinstance(p, Replicate)]
+        if sharded and (len(sharded) != 1 or sharded[0] != Shard(0)):
+            raise ValueError(f"zeroshard: cannot load a DTensor with placements {value.placements}; expected Shard(0) on "
+                             "one mesh dimension and Replicate() on the others, as zeroshard's SHARDED state dicts "
+                             "hold. Fix: load into the state dict zeroshard's state_dict() / optim_state_dict() returns.")
+
+
 def from_row_shard(value):
     """The full tensor of a row-sharded DTensor or ShardedTensor (collective
     over the ranks that shard it); other values are returned as they are."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor, Replicate
 
+    check_row_shard(value)
     if type(value).__name__ == "ShardedTensor":
         return _from_sharded_tensor(value)
     if not isinstance(value, DTensor):
         return value
-    local = value.to_local()
     sharded = [i for i, p in enumerate(value.placements) if not isinstance(p, Replicate)]
     if not sharded:
-        return local
-    if len(sharded) != 1 or value.placements[sharded[0]] != Shard(0):
-        raise ValueError(f"zeroshard: cannot load a DTensor with placements {value.placements}; expected Shard(0) on one "
-                         "mesh dimension and Replicate() on the others, as zeroshard's SHARDED state dicts hold. "
-                         "Fix: load into the state dict zeroshard's state_dict() / optim_state_dict() returns.")
-    return _gather_rows(local, value.shape, value.device_mesh.get_group(sharded[0]))
+        return value.to_local()
+    return _gather_rows(value.to_local(), value.shape, value.device_mesh.get_group(sharded[0]))
 
 
 def _from_sharded_tensor(st) -> torch.Tensor:
@@ -144,12 +159,7 @@ def _from_sharded_tensor(st) -> torch.Tensor:
     one per rank of its process group (``_create_chunk_sharded_tensor``)."""
     md, group = st.metadata(), st._process_group or dist.group.WORLD
     shape = tuple(md.size)
-    by_rank = {}
-    for m in md.shards_metadata:
-        if any(m.shard_offsets[1:]) or tuple(m.shard_sizes[1:]) != shape[1:]:
-            raise ValueError(f"zeroshard: cannot load a ShardedTensor with shard {m}: only dim-0 chunks (torch FSDP1's "
-                             "SHARDED format) are supported.")
-        by_rank[dist.get_group_rank(group, m.placement.rank())] = m
+    by_rank = {dist.get_group_rank(group, m.placement.rank()): m for m in md.shards_metadata}  # dim-0 chunks (checked)
     n = group.size()
     rows = max((m.shard_sizes[0] for m in by_rank.values()), default=0)
     shards = st.local_shards()

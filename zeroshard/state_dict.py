@@ -18,12 +18,11 @@
   sharding); as torch FSDP1, NO_SHARD units' parameters (with its warning),
   ignored parameters and buffers stay plain tensors. Saved with
   ``torch.distributed.checkpoint``, which records every chunk's offsets, so a
-  checkpoint loads at any world size. Trade-off: the rows are cut from the
-  gathered full parameters (and loading all-gathers the rows back into full
-  parameters before writing the shards), so peak memory is one full model,
-  as for FULL, instead of only the flat shards; in exchange it needs no
-  mapping between the flat shard (which splits parameters anywhere) and
-  DCP's per-parameter chunks.
+  checkpoint loads at any world size. The rows are cut from each unit's
+  gathered parameters while the walk holds it, and a load gathers each
+  module's rows back just before that module loads: the peak is this rank's
+  rows plus about one unit, and no mapping is needed between the flat shard
+  (which splits parameters anywhere) and DCP's per-parameter chunks.
 """
 from __future__ import annotations
 
@@ -36,7 +35,7 @@ import torch.nn as nn
 
 from . import comm, ext
 from .options import FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig, StateDictType, as_member
-from .sharded_state import device_mesh, from_row_shard, to_row_shard
+from .sharded_state import check_row_shard, device_mesh, from_row_shard, to_row_shard
 from .summon import summon_full_params, units_of
 
 WRAPPED_PREFIX = "_fsdp_wrapped_module."
@@ -93,11 +92,12 @@ def _unit_copies(h) -> list[torch.Tensor]:
 class _Walk:
     """One FULL/SHARDED ``state_dict()`` walk under way (see :func:`walk_unit`):
     whether to copy (not off rank 0 with rank0_only), to the CPU or not, or
-    only to record full shapes (load's check); which keys got copies, and the
-    ids of the copies of sharded units' parameters."""
+    only to record full shapes (load's check); for SHARDED, the mesh whose rows
+    of sharded units' parameters are copied instead of the full tensors; which
+    keys got copies, and the ids of the copies of sharded units' parameters."""
 
-    def __init__(self, copy: bool, offload: bool, shapes: bool = False):
-        self.copy, self.offload, self.shapes = copy, offload, shapes
+    def __init__(self, copy: bool, offload: bool, shapes: bool = False, rows=None):
+        self.copy, self.offload, self.shapes, self.rows = copy, offload, shapes, rows
         self.copied, self.sharded_ids = set(), set()  # ids of the copies of sharded units' parameters
 
 
@@ -134,12 +134,15 @@ def _copy_out(h, destination, start: int, ctx: _Walk):
     storage = h.flat_param.untyped_storage().data_ptr()
     copies = None
     for k, v in list(destination.items())[start:]:
-        if not torch.is_tensor(v):
+        if not torch.is_tensor(v) or id(v) in ctx.sharded_ids:  # a nested unit's copy (a DTensor under SHARDED)
             continue
         if id(v) in index:
-            if copies is None:
-                copies = [c.cpu() for c in _unit_copies(h)] if ctx.offload else _unit_copies(h)
-            destination[k] = copies[index[id(v)]]
+            if h.sharded and ctx.rows is not None:  # SHARDED: only this rank's rows are ever copied
+                destination[k] = to_row_shard(v, ctx.rows)
+            else:
+                if copies is None:
+                    copies = [c.cpu() for c in _unit_copies(h)] if ctx.offload else _unit_copies(h)
+                destination[k] = copies[index[id(v)]]
             if h.sharded:
                 ctx.sharded_ids.add(id(destination[k]))
         elif v.untyped_storage().data_ptr() == storage:  # a hook's view of a full parameter
@@ -183,14 +186,21 @@ class OffRank0(dict):
 
 
 @contextlib.contextmanager
-def _gathered_while_loading(root):
+def _gathered_while_loading(root, rows: bool = False):
     """Inside, nn.Module's load of a plain-keyed state dict reaches every unit
     as torch FSDP1's load pre/post hooks do: the keys under the unit are given
     the wrapper's prefix (so hooks of the modules inside see their own names,
     e.g. to rename legacy keys), and the unit is gathered (writeback) for its
     subtree's load, then written back and freed: at most one root-to-leaf
-    path of units is gathered."""
+    path of units is gathered. With ``rows`` (SHARDED) each module's own row
+    shards are gathered into full tensors just before it loads them, and
+    dropped with its part of the dict once its subtree has loaded: no more
+    than one module's full tensors exist at a time."""
     opened, handles = [], []  # the open units' summons, innermost last (nn.Module's load nests pre/post hooks)
+
+    def gather_rows(module, state_dict, prefix, *args):  # every rank walks the modules and keys in one order
+        for k in sorted(k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):]):
+            state_dict[k] = from_row_shard(state_dict[k])
 
     def enter(unit, state_dict, prefix, *args):
         for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + WRAPPED_PREFIX)]:
@@ -207,6 +217,8 @@ def _gathered_while_loading(root):
         for u in units_of(root):
             handles += [u._register_load_state_dict_pre_hook(enter, with_module=True),
                         u.register_load_state_dict_post_hook(leave)]
+        for m in root.modules() if rows else ():
+            handles.append(m._register_load_state_dict_pre_hook(gather_rows, with_module=True))
         yield
     finally:
         for h in handles:
@@ -216,7 +228,7 @@ def _gathered_while_loading(root):
 
 
 def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = False, offload: bool = False,
-                     shapes: bool = False):
+                     shapes: bool = False, rows=None):
     """(FULL state dict, the keys of the parameters sharded units hold); ({},
     set()) off rank 0 with rank0_only (whose ranks still walk the model: the
     all-gathers are collective).
@@ -225,8 +237,10 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
     reaches them (:func:`walk_unit`) and copied (to the CPU with ``offload``)
     before they are freed: the peak is the units on one root-to-leaf path on
     top of the copies, not the whole model twice. With ``shapes`` (load's
-    check) nothing is copied: the values are the full shapes."""
-    ctx = _Walk(copy=not shapes and not (rank0_only and root.rank != 0), offload=offload, shapes=shapes)
+    check) nothing is copied: the values are the full shapes. With ``rows``
+    (SHARDED's mesh) sharded units' parameters are this rank's rows, cut while
+    the unit is gathered, so no full copy of them is ever made."""
+    ctx = _Walk(copy=not shapes and not (rank0_only and root.rank != 0), offload=offload, shapes=shapes, rows=rows)
     destination, previous = {}, _walk[0]
     _walk[0] = ctx
     try:
@@ -255,14 +269,12 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
         rank0_only = isinstance(config, FullStateDictConfig) and config.rank0_only
         return _full_state_dict(root, prefix, keep_vars, rank0_only, getattr(config, "offload_to_cpu", False))[0]
     if kind == StateDictType.SHARDED_STATE_DICT:
-        mesh = device_mesh(root)
-        full, row_keys = _full_state_dict(root, prefix, keep_vars)
         if any(not u._handle.sharded for u in units_of(root) if u._handle is not None):
             warnings.warn(NO_SHARD_WARNING, stacklevel=3)
         # As torch FSDP1: rows only for parameters of sharded units; NO_SHARD
         # units' parameters, ignored parameters (this rank's own values) and
         # buffers stay plain tensors (DCP saves them once, as replicated).
-        return {k: to_row_shard(v, mesh) if k in row_keys else v for k, v in full.items()}
+        return _full_state_dict(root, prefix, keep_vars, rows=device_mesh(root))[0]
     raise ValueError(f"zeroshard: state_dict type {kind.name} is not supported. Fix: use FULL or SHARDED_STATE_DICT here (LOCAL: local_state).")
 
 
@@ -311,20 +323,19 @@ def _raise_if_any_rank_failed(root, problem: Exception | None):
 
 def load(root, state_dict, strict: bool = True):
     kind = root._state_dict_type
-    if kind == StateDictType.SHARDED_STATE_DICT:
-        # Every rank walks the keys in one order, so the all-gathers match.
-        state_dict = {k: from_row_shard(state_dict[k]) for k in sorted(state_dict)}
-        kind = StateDictType.FULL_STATE_DICT
-    if kind == StateDictType.FULL_STATE_DICT:
+    rows = kind == StateDictType.SHARDED_STATE_DICT  # row shards: gathered module by module while loading
+    if kind in (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT):
         # The model's keys and shapes (a walk that gathers each unit in turn and copies nothing), then
         # nn.Module's load with each unit gathered only while its subtree loads, as torch's hooks do.
         current = _full_state_dict(root, "", keep_vars=True, shapes=True)[0]
         try:
             state_dict, problem = _normalize_full(state_dict, {clean_key(k): v for k, v in current.items()}), None
-        except RuntimeError as e:
+            for v in state_dict.values() if rows else ():
+                check_row_shard(v)
+        except (RuntimeError, ValueError) as e:
             problem = e
         _raise_if_any_rank_failed(root, problem)
-        with _gathered_while_loading(root):
+        with _gathered_while_loading(root, rows):
             result = nn.Module.load_state_dict(root, state_dict, strict=False)
         missing, unexpected = [clean_key(k) for k in result.missing_keys], [clean_key(k) for k in result.unexpected_keys]
         if strict and (missing or unexpected):  # nn.Module's error, with the plain model's names as torch FSDP1 gives
