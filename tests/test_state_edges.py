@@ -532,3 +532,42 @@ def test_load_state_dict_through_a_plain_parent(ranks, layout, use_orig_params):
     unexpected keys as torch FSDP1 does (zeroshard's units ignored a parent's
     walk: nothing loaded, every key reported missing and unexpected)."""
     assert all(ranks.run(2, _load_through_parent, layout, use_orig_params))
+
+
+def _dcp_state_dict_helpers(rank, world_size, use_orig_params):
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                         set_state_dict)
+
+    import zeroshard as zs
+
+    for full in (True, False):
+        options = StateDictOptions(full_state_dict=full)
+        models = _engines(use_orig_params=use_orig_params)
+        for m in models:
+            opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+            m(batch("mlp", rank, 0)).sum().backward()
+            opt.step()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                if isinstance(m, zs.FSDP):
+                    for call in (lambda: get_state_dict(m, opt, options=options), lambda: get_model_state_dict(m),
+                                 lambda: set_state_dict(m, opt, model_state_dict={}, optim_state_dict={})):
+                        with pytest.raises(RuntimeError, match="does not recognize zeroshard's units.*Fix: "):
+                            call()
+                    parent = torch.nn.ModuleDict({"gen": m})  # reached through a plain parent too
+                    with pytest.raises(RuntimeError, match="does not recognize zeroshard's units"):
+                        get_model_state_dict(parent)
+                else:  # torch FSDP1, for comparison: the helpers know it
+                    msd, osd = get_state_dict(m, opt, options=options)
+                    set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_torch_dcp_state_dict_helpers_are_refused_clearly(ranks, use_orig_params):
+    """torch.distributed.checkpoint.state_dict's get_state_dict / set_state_dict
+    test for torch's FSDP class; taking zeroshard's units for plain modules,
+    they saved each rank's optimizer shards as whole ones, returned flat-param
+    keys, and failed to load their own output (unexpected '_flat_param' keys).
+    They now raise, naming the zeroshard route, on a unit or a plain parent."""
+    assert all(ranks.run(2, _dcp_state_dict_helpers, use_orig_params))

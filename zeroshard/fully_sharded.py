@@ -292,6 +292,8 @@ class FullyShardedDataParallel(nn.Module):
         with parent_load.own_load():
             return (local_state if self._state_dict_type == StateDictType.LOCAL_STATE_DICT else sd).load(self, state_dict, strict)
 
+    _fqn_modifiers = sd.refuse_dcp_state_dict_helpers  # what torch's DCP state_dict helpers call
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, *args):
         if parent_load.own_load_active():  # a unit's own load walks the tree as nn.Module does
             return super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)

@@ -305,6 +305,18 @@ def _normalize_full(state_dict, current: dict) -> dict:
     return out
 
 
+def refuse_dcp_state_dict_helpers(unit):
+    """The units' ``_fqn_modifiers``: only torch.distributed.checkpoint.state_dict calls it, on modules it
+    does not take for torch's FSDP. Treating a unit as a plain module, it would save each rank's optimizer
+    shards as if whole (and cannot map FlatParameters to names): refused instead of a wrong checkpoint."""
+    raise RuntimeError(f"zeroshard: torch.distributed.checkpoint.state_dict (get_state_dict, set_state_dict, "
+                       f"get_model_state_dict, ...) does not recognize zeroshard's units such as '{type(unit.module).__name__}' "
+                       "(it tests for torch's FSDP class), so it would save each rank's optimizer shards as whole ones. "
+                       "Fix: inside FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT) (or FULL), use "
+                       "model.state_dict() / load_state_dict() and FSDP.optim_state_dict() / optim_state_dict_to_load(), "
+                       "saved with zeroshard.checkpoint.save_sharded / load_sharded (or torch.distributed.checkpoint).")
+
+
 def _raise_if_any_rank_failed(root, problem: Exception | None):
     """Every rank of the root's groups learns whether any rank's state dict is
     unloadable before one writes anything: a rank loading alone would leave
