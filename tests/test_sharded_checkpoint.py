@@ -15,6 +15,7 @@ import torch
 import torch.distributed.fsdp as tfsdp
 
 import zeroshard as zs
+from models import Block, build
 from parity import assert_same_value as _assert_same
 from parity import train_step as _step
 from parity import trained_with_adamw as _trained_pair
@@ -386,9 +387,10 @@ def _full_sd(model):
 @pytest.mark.parametrize("use_orig_params", [False, True])
 def test_sharded_state_dict_never_holds_the_full_model(monkeypatch, use_orig_params):
     """A SHARDED save copies only this rank's rows, cut while each unit is
-    gathered, and a SHARDED load gathers each module's rows just before it
-    loads them. On a 134 MB model of 16 units at 2 ranks the peak RSS rises by
-    this rank's rows plus about a unit (save) and by about a unit (load).
+    gathered, and a SHARDED load gathers a unit's rows when it enters the
+    unit. On a 134 MB model of 16 units at 2 ranks the peak RSS rises by this
+    rank's rows plus about a unit (save: 0.59x the model) and by about two
+    units (load: 0.19x).
     zeroshard used to cut rows from full copies of the whole model, and to
     gather every row into full tensors before loading; its peak then rose by
     more than the whole model each way. Fresh processes, with glibc's mmap
@@ -398,3 +400,101 @@ def test_sharded_state_dict_never_holds_the_full_model(monkeypatch, use_orig_par
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", str(128 << 10))
     for save, load in spawn(_sharded_memory, 2, use_orig_params, timeout=240):
         assert save < 0.75 and load < 0.35, (save, load)
+
+
+class _LegacyQKV(torch.nn.Module):
+    """Its load pre-hook converts its weight from a legacy layout (interleaved
+    heads, then reversed rows), as model code does: it needs the full tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(4, 6)
+        self.qkv._register_load_state_dict_pre_hook(self._convert)
+
+    @staticmethod
+    def _convert(sd, prefix, *args):
+        if prefix + "weight" in sd:
+            w = sd[prefix + "weight"]
+            w = w.view(2, 3, w.shape[1]).transpose(0, 1).reshape(w.shape)
+            sd[prefix + "weight"] = w[torch.arange(w.shape[0] - 1, -1, -1)]
+
+    def forward(self, x):
+        return self.qkv(x)
+
+
+def _inner_load_hooks(rank, world_size):
+    import torch.distributed.fsdp.wrap as twrap
+
+    seen = []
+    for lib, wrap, extra in ((tfsdp, twrap, {"device_id": torch.device("cpu")}), (zs, zs.wrap, {})):
+        made = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            net = torch.nn.Sequential(torch.nn.Linear(4, 4), _LegacyQKV())
+            made.append(lib.FullyShardedDataParallel(net, auto_wrap_policy=wrap.ModuleWrapPolicy({_LegacyQKV}), **extra))
+        src, dst = made
+        with lib.FullyShardedDataParallel.state_dict_type(src, lib.StateDictType.SHARDED_STATE_DICT):
+            sd = src.state_dict()
+        with lib.FullyShardedDataParallel.state_dict_type(dst, lib.StateDictType.SHARDED_STATE_DICT):
+            dst.load_state_dict(sd)
+        with lib.FullyShardedDataParallel.state_dict_type(dst, lib.StateDictType.FULL_STATE_DICT):
+            seen.append(dst.state_dict())
+    ref, ours = seen
+    return list(ref) == list(ours) and all(torch.equal(ref[k], ours[k]) for k in ref)
+
+
+def test_load_hooks_inside_a_unit_see_full_values_under_sharded(ranks):
+    """Loading a SHARDED dict, a unit's rows are gathered when the load enters
+    the unit, so a load pre-hook inside it converts a full weight, as under
+    torch FSDP1 (gathering module by module handed it a DTensor of rows:
+    'cannot load a DTensor with placements (_StridedShard...)')."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert all(ranks.run(2, _inner_load_hooks))
+
+
+def _bad_sharded_dicts(rank, world_size):
+    from torch.distributed.tensor import DTensor, Shard
+
+    def model(seed):
+        return zs.FSDP(build("mlp", seed=seed), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+
+    src, dst = model(0), model(1)
+    with zs.FSDP.state_dict_type(src, SHARDED):
+        good = src.state_dict()
+    key = "blocks.1.l1.weight"
+    v = good[key]
+
+    def rows(local):
+        return DTensor.from_local(local, v.device_mesh, [Shard(0)], run_check=False, shape=v.shape, stride=v.stride())
+
+    cases = {  # what rank 1 holds instead (rank 0 keeps the good dict)
+        "a key missing": lambda sd: sd.pop(key),
+        "an extra row key": lambda sd: sd.update({"blocks.1.l1.extra": v}),
+        "full where rows": lambda sd: sd.update({key: torch.ones(v.shape)}),
+        "too few rows": lambda sd: sd.update({key: rows(v.to_local()[:-2])}),  # was zero-padded: wrong values
+        "too many rows": lambda sd: sd.update({key: rows(torch.cat([v.to_local(), v.to_local()[:2]]))}),
+        "another placement": lambda sd: sd.update({key: DTensor.from_local(
+            v.to_local(), v.device_mesh, [Shard(1)], run_check=False, shape=v.shape, stride=v.stride())}),
+    }
+    before = _full_sd(dst)
+    for name, spoil in cases.items():
+        sd = dict(good)
+        if rank == 1:
+            spoil(sd)
+        with zs.FSDP.state_dict_type(dst, SHARDED), pytest.raises((RuntimeError, ValueError)) as err:
+            dst.load_state_dict(sd)
+        assert "zeroshard" in str(err.value), (name, err.value)
+        after = _full_sd(dst)
+        assert all(torch.equal(before[k], after[k]) for k in before), name  # nothing written, on either rank
+    return True
+
+
+def test_sharded_dicts_that_differ_across_ranks_raise_everywhere_before_writing(ranks):
+    """A SHARDED load all-gathers rows key by key, so every rank must hold the
+    same row-sharded keys with torch.chunk's rows: a key missing or extra on
+    one rank, or a full tensor where the others hold rows, aborted every
+    process inside gloo; a DTensor with too few local rows loaded zero-padded
+    values silently. Each now raises on every rank, naming the problem,
+    before anything is written."""
+    assert all(ranks.run(2, _bad_sharded_dicts))

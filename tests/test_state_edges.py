@@ -571,3 +571,63 @@ def test_torch_dcp_state_dict_helpers_are_refused_clearly(ranks, use_orig_params
     keys, and failed to load their own output (unexpected '_flat_param' keys).
     They now raise, naming the zeroshard route, on a unit or a plain parent."""
     assert all(ranks.run(2, _dcp_state_dict_helpers, use_orig_params))
+
+
+def _subclass_loading_itself(rank, world_size):
+    import zeroshard as zs
+
+    class Mine(zs.FSDP):
+        def load_state_dict(self, state_dict, strict=True, assign=False):
+            return torch.nn.Module.load_state_dict(self, state_dict, strict=strict)
+
+    model = Mine(build("mlp"))
+    with pytest.raises(RuntimeError, match="calls nn.Module.load_state_dict on itself"):
+        model.load_state_dict(_full(model))  # was a RecursionError
+    return True
+
+
+def test_a_subclass_loading_through_nn_module_is_told_how(ranks):
+    assert all(ranks.run(2, _subclass_loading_itself))
+
+
+class _NeedsItsWeight(torch.nn.Linear):
+    """Reads its own weight key unconditionally while loading (legacy-format code does)."""
+
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        state_dict[prefix + "weight"]  # KeyError if this module is handed a dict without its keys
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+def _parent_walks_units_once(rank, world_size, kind):
+    import torch.distributed.fsdp as tfsdp
+
+    import zeroshard as zs
+
+    calls = []
+    for lib, extra in ((tfsdp, {"device_id": torch.device("cpu")}), (zs, {})):
+        made = []
+        for seed in (0, 1):
+            torch.manual_seed(seed)
+            inner = torch.nn.Sequential(torch.nn.Linear(4, 6), _NeedsItsWeight(6, 3))
+            inner[0]._register_load_state_dict_pre_hook(lambda *a, lib=lib: calls.append(lib.__name__))
+            made.append(torch.nn.ModuleDict({"g": lib.FullyShardedDataParallel(inner, **extra)}))
+        src, dst = made
+        with lib.FullyShardedDataParallel.state_dict_type(src, getattr(lib.StateDictType, kind)):
+            sd = src.state_dict()
+        with lib.FullyShardedDataParallel.state_dict_type(dst, getattr(lib.StateDictType, kind)):
+            result = dst.load_state_dict(sd)
+        assert not result.missing_keys and not result.unexpected_keys, result
+        assert all(torch.equal(a, b) for a, b in zip(_full(src).values(), _full(dst).values()))
+    return calls
+
+
+@pytest.mark.parametrize("kind", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+def test_a_parent_load_walks_each_unit_once(ranks, kind):
+    """Through a plain parent, the modules inside a unit are loaded once, as
+    under torch FSDP1: the parent's walk used to go on into the unit after it
+    had loaded, calling their hooks a second time with no keys (a module that
+    reads its own key raised KeyError, a post-hook saw '_flat_param' missing)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for calls in ranks.run(2, _parent_walks_units_once, kind):
+            assert calls.count("torch.distributed.fsdp") == 1 and calls.count("zeroshard") == 1, calls

@@ -1,24 +1,25 @@
 """Loading a state dict through a plain parent module (FULL, SHARDED or LOCAL).
 
 nn.Module.load_state_dict never calls a child's load_state_dict: it calls
-``_load_from_state_dict`` on every module of the tree, top down. A unit that a
-plain parent's load reaches that way (a ModuleDict holding a GAN's two wrapped
-models, a model whose blocks alone are wrapped) loads its whole subtree there,
-as its own ``load_state_dict`` does (gathering each unit, writing the shards).
-The walk then goes on into the subtree, where the unit's descendants see an
-empty share of the dict and report their keys missing under the wrapped names,
-so the unit's load post-hook replaces every key under its prefix by the ones
-its own load reported. torch FSDP1 reaches the same result through its
-state-dict hooks.
+``_load_from_state_dict`` on every module of the tree, top down, and then
+walks into the module's children. A unit that a plain parent's load reaches
+that way (a ModuleDict holding a GAN's two wrapped models, a model whose
+blocks alone are wrapped) loads its whole subtree there, as its own
+``load_state_dict`` does: every rank checks the keys and shapes first, then
+each unit is gathered, written and freed in turn. The unit then hides its
+children from the parent's walk until its own load post-hook, the next thing
+that walk runs on it: the modules inside are loaded once, by the unit's load,
+and report no keys of their own. The post-hook adds the unit's missing and
+unexpected keys under its prefix. torch FSDP1 reaches the same result
+through its state-dict hooks.
 """
 from __future__ import annotations
 
 import contextlib
 
-from .summon import units_of
-
 _own_loads = [0]  # > 0 inside a unit's own load_state_dict, whose walk is nn.Module's
-_from_parent: list = [None]  # (unit, prefix, missing, unexpected) while a parent's walk is in its subtree
+_loading: set = set()  # units whose load load_from_parent is running
+_HIDDEN = "_zeroshard_parent_load"  # the unit's children and keys, between load_from_parent and its post-hook
 
 
 @contextlib.contextmanager
@@ -36,21 +37,31 @@ def own_load_active() -> bool:
 
 def load_from_parent(unit, state_dict, prefix: str, local_metadata: dict) -> None:
     """``unit._load_from_state_dict`` when a plain parent's load_state_dict reaches it."""
-    outer = _from_parent[0]
-    if outer is not None and outer[0] is not unit and unit in units_of(outer[0]):
-        return  # loaded with the unit whose subtree this is
+    if unit in _loading:  # its load_state_dict went back to nn.Module's, which would come here again, forever
+        raise RuntimeError(f"zeroshard: the load_state_dict of unit {type(unit).__name__} calls nn.Module.load_state_dict "
+                           "on itself. Fix: call super().load_state_dict(...), or wrap that call in "
+                           "zeroshard.parent_load.own_load().")
     sub = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    result = unit.load_state_dict(sub, strict=False, assign=local_metadata.get("assign_to_params_buffers", False))
-    _from_parent[0] = (unit, prefix, [prefix + k for k in result.missing_keys],
-                       [prefix + k for k in result.unexpected_keys])
+    _loading.add(unit)
+    try:
+        result = unit.load_state_dict(sub, strict=False, assign=local_metadata.get("assign_to_params_buffers", False))
+    except (RuntimeError, ValueError) as e:  # its keys are relative to the unit: say which one
+        if type(e) not in (RuntimeError, ValueError):  # e.g. a CollectiveError: its own words
+            raise
+        raise type(e)(f"{e} (loading unit '{prefix[:-1]}' through its parent module)") from e
+    finally:
+        _loading.discard(unit)
+    unit.__dict__[_HIDDEN] = (unit._modules, [prefix + k for k in result.missing_keys],
+                              [prefix + k for k in result.unexpected_keys])
+    unit._modules = {}  # nn.Module's walk goes on into these next; nothing runs before the post-hook
 
 
 def after_parent_load(unit, incompatible_keys) -> None:
-    """Load post-hook of every unit: the keys its subtree reports are its own load's."""
-    outer = _from_parent[0]
-    if outer is None or outer[0] is not unit:
+    """Load post-hook of every unit (registered first): gives back the children
+    that :func:`load_from_parent` hid and adds its load's keys."""
+    hidden = unit.__dict__.pop(_HIDDEN, None)
+    if hidden is None:
         return
-    _from_parent[0] = None
-    _, prefix, missing, unexpected = outer
-    for keys, ours in ((incompatible_keys.missing_keys, missing), (incompatible_keys.unexpected_keys, unexpected)):
-        keys[:] = [k for k in keys if not k.startswith(prefix)] + ours
+    unit._modules, missing, unexpected = hidden
+    incompatible_keys.missing_keys.extend(missing)
+    incompatible_keys.unexpected_keys.extend(unexpected)

@@ -130,12 +130,39 @@ def check_row_shard(value) -> None:
             if any(m.shard_offsets[1:]) or tuple(m.shard_sizes[1:]) != shape[1:]:
                 raise ValueError(f"zeroshard: cannot load a ShardedTensor with shard {m}: only dim-0 chunks (torch "
                                  "FSDP1's SHARDED format) are supported.")
+        for shard in value.local_shards():
+            if list(shard.tensor.shape) != list(shard.metadata.shard_sizes):
+                raise ValueError(f"zeroshard: a ShardedTensor's local shard has shape {tuple(shard.tensor.shape)} but its "
+                                 f"metadata says {tuple(shard.metadata.shard_sizes)}.")
     elif isinstance(value, DTensor):
-        sharded = [p for p in value.placements if not isinstance(p, Replicate)]
-        if sharded and (len(sharded) != 1 or sharded[0] != Shard(0)):
+        sharded = [i for i, p in enumerate(value.placements) if not isinstance(p, Replicate)]
+        if sharded and (len(sharded) != 1 or value.placements[sharded[0]] != Shard(0)):
             raise ValueError(f"zeroshard: cannot load a DTensor with placements {value.placements}; expected Shard(0) on "
                              "one mesh dimension and Replicate() on the others, as zeroshard's SHARDED state dicts "
                              "hold. Fix: load into the state dict zeroshard's state_dict() / optim_state_dict() returns.")
+        want = tuple(value.shape)
+        if sharded and value.dim() > 0:  # torch.chunk's rows of this rank (the gather pads short ones silently)
+            n, r = value.device_mesh.size(sharded[0]), value.device_mesh.get_local_rank(sharded[0])
+            rows = -(-want[0] // n)
+            want = (max(0, min(rows, want[0] - r * rows)), *want[1:])
+        if tuple(value.to_local().shape) != want:
+            raise ValueError(f"zeroshard: a DTensor of shape {tuple(value.shape)} holds local rows of shape "
+                             f"{tuple(value.to_local().shape)} on this rank, where torch.chunk's rows are {want}. Fix: "
+                             "load a state dict saved by state_dict() under SHARDED_STATE_DICT (or torch FSDP1's).")
+
+
+def row_keys_differ(keys: list[str], group) -> RuntimeError | None:
+    """A problem if the ranks of ``group`` (the shard group) hold different
+    row-sharded keys: a load all-gathers rows key by key, and mismatched
+    all-gathers abort the process under gloo (collective)."""
+    everyone = comm.gather_objects(keys, group, "load_state_dict: comparing the row-sharded keys")
+    other = next((r for r, ks in enumerate(everyone) if ks != keys), None)
+    if other is None:
+        return None
+    only_here, only_there = sorted(set(keys) - set(everyone[other])), sorted(set(everyone[other]) - set(keys))
+    return RuntimeError(f"zeroshard: load_state_dict(SHARDED_STATE_DICT): this rank and rank {other} of the shard group "
+                        f"hold different row-sharded keys (only here: {only_here[:3]}, only there: {only_there[:3]}). "
+                        "Fix: give every rank the state dict that state_dict() returned on it (or that DCP loaded).")
 
 
 def from_row_shard(value):

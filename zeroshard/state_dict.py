@@ -19,9 +19,10 @@
   ignored parameters and buffers stay plain tensors. Saved with
   ``torch.distributed.checkpoint``, which records every chunk's offsets, so a
   checkpoint loads at any world size. The rows are cut from each unit's
-  gathered parameters while the walk holds it, and a load gathers each
-  module's rows back just before that module loads: the peak is this rank's
-  rows plus about one unit, and no mapping is needed between the flat shard
+  gathered parameters while the walk holds it, and a load gathers a unit's
+  rows back when it enters the unit (so the modules inside see full values,
+  as torch's): the peak is this rank's rows plus about one unit (save) or
+  two (load), and no mapping is needed between the flat shard
   (which splits parameters anywhere) and DCP's per-parameter chunks.
 """
 from __future__ import annotations
@@ -35,7 +36,7 @@ import torch.nn as nn
 
 from . import comm, ext
 from .options import FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig, StateDictType, as_member
-from .sharded_state import check_row_shard, device_mesh, from_row_shard, to_row_shard
+from .sharded_state import check_row_shard, device_mesh, from_row_shard, is_sharded, row_keys_differ, to_row_shard
 from .summon import summon_full_params, units_of
 
 WRAPPED_PREFIX = "_fsdp_wrapped_module."
@@ -192,19 +193,22 @@ def _gathered_while_loading(root, rows: bool = False):
     the wrapper's prefix (so hooks of the modules inside see their own names,
     e.g. to rename legacy keys), and the unit is gathered (writeback) for its
     subtree's load, then written back and freed: at most one root-to-leaf
-    path of units is gathered. With ``rows`` (SHARDED) each module's own row
-    shards are gathered into full tensors just before it loads them, and
-    dropped with its part of the dict once its subtree has loaded: no more
-    than one module's full tensors exist at a time."""
+    path of units is gathered. With ``rows`` (SHARDED) a sharded unit's
+    parameters arrive as rows and are gathered into full tensors when the
+    unit is entered, so the modules inside (their hooks, their
+    ``_load_from_state_dict``) see full values, as torch's; they are dropped
+    with the unit's part of the dict once its subtree has loaded."""
     opened, handles = [], []  # the open units' summons, innermost last (nn.Module's load nests pre/post hooks)
-
-    def gather_rows(module, state_dict, prefix, *args):  # every rank walks the modules and keys in one order
-        for k in sorted(k for k in state_dict if k.startswith(prefix) and "." not in k[len(prefix):]):
-            state_dict[k] = from_row_shard(state_dict[k])
 
     def enter(unit, state_dict, prefix, *args):
         for k in [k for k in state_dict if k.startswith(prefix) and not k.startswith(prefix + WRAPPED_PREFIX)]:
             state_dict[prefix + WRAPPED_PREFIX + k[len(prefix):]] = state_dict.pop(k)
+        if rows:  # the unit's own entries, not its nested units'; every rank: the same keys in one order
+            units = set(units_of(unit))
+            nested = tuple(clean_fqn(n) + "." for n, m in unit.named_modules() if m is not unit and m in units)
+            for k in sorted(k for k in state_dict if k.startswith(prefix)):
+                if not clean_fqn(k[len(prefix):]).startswith(nested):
+                    state_dict[k] = from_row_shard(state_dict[k])
         stack = contextlib.ExitStack()
         if unit._handle is not None:
             stack.enter_context(summon_full_params(unit, recurse=False, writeback=True, inside_summon=True))
@@ -217,8 +221,6 @@ def _gathered_while_loading(root, rows: bool = False):
         for u in units_of(root):
             handles += [u._register_load_state_dict_pre_hook(enter, with_module=True),
                         u.register_load_state_dict_post_hook(leave)]
-        for m in root.modules() if rows else ():
-            handles.append(m._register_load_state_dict_pre_hook(gather_rows, with_module=True))
         yield
     finally:
         for h in handles:
@@ -335,7 +337,7 @@ def _raise_if_any_rank_failed(root, problem: Exception | None):
 
 def load(root, state_dict, strict: bool = True):
     kind = root._state_dict_type
-    rows = kind == StateDictType.SHARDED_STATE_DICT  # row shards: gathered module by module while loading
+    rows = kind == StateDictType.SHARDED_STATE_DICT  # row shards: gathered unit by unit while loading
     if kind in (StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT):
         # The model's keys and shapes (a walk that gathers each unit in turn and copies nothing), then
         # nn.Module's load with each unit gathered only while its subtree loads, as torch's hooks do.
@@ -346,6 +348,9 @@ def load(root, state_dict, strict: bool = True):
                 check_row_shard(v)
         except (RuntimeError, ValueError) as e:
             problem = e
+        if rows:  # rows are all-gathered key by key: every rank must hold the same sharded keys (collective: always)
+            differ = row_keys_differ(sorted(k for k, v in state_dict.items() if is_sharded(v)), root.process_group)
+            problem = problem or differ
         _raise_if_any_rank_failed(root, problem)
         with _gathered_while_loading(root, rows):
             result = nn.Module.load_state_dict(root, state_dict, strict=False)

@@ -22,6 +22,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
+from .. import parent_load
 from .. import state_dict as sd
 from ..fully_sharded import FullyShardedDataParallel as _Engine
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
@@ -78,7 +79,7 @@ class FullyShardedDataParallel(_Engine):
         if self._in_summon:
             with sd.plain_module_behaviour():
                 actual = {sd.clean_key(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
-            with torch.no_grad():
+            with torch.no_grad(), parent_load.own_load():  # nn.Module's walk over the summoned units, not a parent's
                 return nn.Module.load_state_dict(self, {actual.get(k, k): v for k, v in state_dict.items()}, strict=strict)
         state_dict = dict(state_dict)
         saved = state_dict.pop(LAYOUT_KEY, None)
