@@ -109,6 +109,9 @@ CASES = {
     "meta_without_reset_parameters": (_meta_module, ValueError, ["reset_parameters()", "param_init_fn", "Fix"]),
     "no_sync_inner": (_no_sync_inner, RuntimeError, ["no_sync()", "root"]),
     "hybrid_without_groups": (_hybrid_without_groups, ValueError, ["HYBRID_SHARD", "fsdp_group_size", "Fix"]),
+    # A Parameter in ignored_modules (it belongs in ignored_states): was an AttributeError ('modules').
+    "parameter_in_ignored_modules": (lambda: (lambda m: zs.FSDP(m, ignored_modules=[m.inp.weight]))(MLP()), ValueError,
+                                     ["ignored_modules takes nn.Modules", "Parameter", "ignored_states", "Fix"]),
     # The keywords beyond torch FSDP: refused at construction, by their own names (not at the first forward,
     # not as an AttributeError, not silently accepted, not under fsdp_group_size's name).
     "bucket_cap_mb_zero": (functools.partial(zs.FSDP, MLP(), bucket_cap_mb=0), ValueError, ["bucket_cap_mb=0", "Fix"]),

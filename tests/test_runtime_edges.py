@@ -438,3 +438,51 @@ def _second_backward(rank, world_size, strategy, use_orig_params, how):
 @pytest.mark.parametrize("strategy,use_orig_params", [("FULL_SHARD", False), ("SHARD_GRAD_OP", True), ("NO_SHARD", False)])
 def test_second_backward_through_one_forward(ranks, strategy, use_orig_params, how):
     assert all(ranks.run(2, _second_backward, strategy, use_orig_params, how))
+
+
+def _edit_after_forward_without_backward(rank, world_size, strategy, mp):
+    """A forward with grad mode and no backward (a metric), then an in-place
+    edit of model.parameters() under no_grad (a manual rescale), then training
+    on. With use_orig_params, ZeRO-2 keeps the units gathered and exposes their
+    full views as the parameters, so the edit lands in the gathered buffer:
+    zeroshard freed that buffer as stale and lost the edit (torch FSDP1 uses it
+    for one forward, then loses it). The reference is the same model without
+    the metric forward, where the edit reaches the shard directly."""
+    seen, said = [], []
+    for metric in (False, True):
+        model = _wrap_skippable("zeroshard", strategy, True) if mp is None else zs.FSDP(
+            _seeded(Skippable), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=True,
+            sharding_strategy=getattr(zs.ShardingStrategy, strategy), mixed_precision=zs.MixedPrecision(param_dtype=mp))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        got = []
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for step in range(4):
+                out = model(_x(rank, step))
+                out.pow(2).mean().backward()
+                opt.step()
+                opt.zero_grad()
+                got.append(out.detach())
+                if step == 3:
+                    break
+                if metric:
+                    model(_x(rank, 7)).argmax(-1)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.mul_(0.5)
+        said += [str(w.message) for w in caught]
+        seen.append(got + [p.detach().clone() for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*seen)), said
+
+
+@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "FULL_SHARD"])
+def test_parameter_edits_after_a_forward_without_backward_persist(ranks, strategy):
+    for same, said in ranks.run(2, _edit_after_forward_without_backward, strategy, None):
+        assert same and not said, said
+
+
+def test_parameter_edits_on_a_low_precision_gathered_copy_are_reported(ranks):
+    """Under mixed precision the exposed views are a bf16 copy: the edit cannot
+    be written back exactly, so it is discarded with a warning naming the unit."""
+    for same, said in ranks.run(2, _edit_after_forward_without_backward, "SHARD_GRAD_OP", torch.bfloat16):
+        assert not same and any("edited in place while it held its gathered bfloat16 copy" in m for m in said), said

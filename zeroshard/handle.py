@@ -110,7 +110,7 @@ class FlatParamHandle(OrigParams, FullParams):
         # (see hooks.post_backward_final)
         self.graph_node = None
         self.graph_kept = False
-        self.graph_version: tuple[int, int] | None = None
+        self.graph_version: tuple[int, int, int] | None = None
         self.needs_pre_forward_unshard = False
         self.needs_pre_backward_unshard = False
         self.ran_pre_backward = False
@@ -223,14 +223,14 @@ class FlatParamHandle(OrigParams, FullParams):
             self._full_buffers[dtype] = buf
         return self._full_buffers[dtype]
 
-    def shard_version(self) -> tuple[int, int]:
+    def shard_version(self) -> tuple[int, int, int]:
         """What moves when this rank's shard may have changed: the in-place
-        version counters of the FlatParameter and (use_orig_params) the
-        original parameters, and the count of optimizer steps (fused
-        optimizers update in place without bumping the counters)."""
-        v = self.flat_param._version
-        v = v + sum(p._version for p in self.orig_params) if self.use_orig_params else v
-        return v, validation.optimizer_steps[0]
+        version counters of the FlatParameter (and the views of it a kept unit
+        exposes) and of the original parameters (use_orig_params), and the
+        count of optimizer steps (fused optimizers update in place without
+        bumping the counters)."""
+        orig = sum(p._version for p in self.orig_params) if self.use_orig_params else 0
+        return self.flat_param._version, orig, validation.optimizer_steps[0]
 
     def end_iteration(self):
         """Back to idle after a backward: the next forward starts afresh."""

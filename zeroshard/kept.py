@@ -81,4 +81,33 @@ def drop_stale_kept(rt):
 
 def _stale(h) -> bool:
     kept = h.graph_version if h.graph_kept else h.kept_version
-    return kept is not None and h.shard_version() != kept
+    now = h.shard_version()
+    if kept is None or now == kept:
+        return False
+    if now[1:] == kept[1:] and _write_back_edits(h):  # only the exposed full views changed
+        h.kept_version = now if h.kept_version is not None else None
+        h.graph_version = now if h.graph_kept else h.graph_version
+        return False
+    return True
+
+
+def _write_back_edits(h) -> bool:
+    """With use_orig_params a unit kept gathered under ZeRO-2 exposes views of
+    its full buffer as the module's parameters, so an in-place edit made before
+    the next forward (``p.mul_(0.5)`` over ``model.parameters()`` under
+    no_grad) lands in that buffer, not in the shard. Copy this rank's part back,
+    as summon_full_params' writeback does, and keep the unit: it is current (it
+    was freed, and the edit lost). Not where the buffer is no exact copy of the
+    shard (mixed precision, the int8 all-gather: said, and freed), nor once the
+    shard changed too."""
+    if not (h.use_orig_params and h.unsharded):
+        return False
+    if h.quant is not None or h._full.dtype != h.local_shard.dtype:
+        warnings.warn(f"zeroshard: the parameters of unit '{h.unit_name}' were edited in place while it held its gathered "
+                      f"{'int8-gathered' if h.quant is not None else str(h._full.dtype).replace('torch.', '')} copy "
+                      "(after a forward whose backward never came); the edit is discarded. Fix: edit the parameters "
+                      "after a backward or under torch.no_grad() forwards, or inside summon_full_params().", stacklevel=4)
+        return False
+    start = h.rank * h.layout.shard_numel
+    h.local_shard.data.copy_(h._full[start : start + h.layout.shard_numel])  # .data: no version bump
+    return True

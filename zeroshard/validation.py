@@ -205,6 +205,10 @@ def split_ignored(ignored_modules, ignored_states, module):
     """torch FSDP1's ``ignored_states``: modules (as ``ignored_modules``) or
     parameters (kept out of every FlatParameter: replicated, not reduced)."""
     if ignored_states is None:
+        others = sorted({type(m).__name__ for m in ignored_modules or () if not isinstance(m, nn.Module)})
+        if others:  # torch's check too; a Parameter here is the likely slip (it belongs in ignored_states)
+            raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_modules takes "
+                             f"nn.Modules, got {others}. Fix: pass parameters as ignored_states=[...] instead.")
         return ignored_modules, frozenset()
     if ignored_modules is not None:
         raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): pass ignored_modules or "
