@@ -85,7 +85,7 @@ def timer(device):
     return time_it
 
 
-def bench_case(n, nbytes, device, warmup, reps):
+def bench_case(n, nbytes, device, reps):
     gen = torch.Generator().manual_seed(n * 7 + nbytes)
     numel = nbytes // 4
     sizes = random_sizes(n, numel, gen)
@@ -108,9 +108,6 @@ def bench_case(n, nbytes, device, warmup, reps):
         "plan flatten": lambda: plan_in.flatten_into(flat),
         "plan unflatten": lambda: plan_out.unflatten_into(flat),
     }
-    for fn in ops.values():
-        for _ in range(warmup):
-            fn()
     # Round-robin over the variants so that load from other processes (a shared
     # 2-core box) hits all of them alike and the ratios stay meaningful.
     times = {name: [] for name in ops}
@@ -160,11 +157,11 @@ def main():
     }
     rows = []
     for nbytes in (4 * MB, 256 * MB):
-        warmup, reps = (2, 5) if args.quick else (5, 60)
+        reps = 5 if args.quick else 60
         if nbytes >= 64 * MB and not args.quick:
             reps = 10
         for n in (10, 100, 1000):
-            rows.append((n, nbytes, bench_case(n, nbytes, device, warmup, reps)))
+            rows.append((n, nbytes, bench_case(n, nbytes, device, reps)))
             print(f"  measured {n} tensors x {nbytes // MB} MB", flush=True)
     print("\nGB/s (payload bytes / median time, 1 GB = 1e9 B; higher is better)\n")
     print("| tensors | payload | " + " | ".join(cols) + " |")

@@ -103,7 +103,7 @@ class FlatParamHandle(OrigParams, FullParams):
         self._gather_work = None
         self.prefetched = False
         # shard_version() when a forward kept the unit gathered for its backward; None otherwise (see hooks)
-        self.kept_version: tuple[int, int] | None = None
+        self.kept_version: tuple[int, int, int] | None = None
         # A create_graph backward built a graph holding this unit's full parameters, still to be
         # backpropagated: the AccumulateGrad node it feeds, whether the full buffer is kept for it
         # (the FlatParameter pointing at the shard meanwhile) and the shard_version() it holds

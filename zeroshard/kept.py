@@ -85,8 +85,10 @@ def _stale(h) -> bool:
     if kept is None or now == kept:
         return False
     if now[1:] == kept[1:] and _write_back_edits(h):  # only the exposed full views changed
-        h.kept_version = now if h.kept_version is not None else None
-        h.graph_version = now if h.graph_kept else h.graph_version
+        if h.kept_version is not None:
+            h.kept_version = now
+        if h.graph_kept:
+            h.graph_version = now
         return False
     return True
 
