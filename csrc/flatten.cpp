@@ -5,15 +5,12 @@
 // tensors for state dicts and summon_full_params. zeroshard/ext.py holds the
 // pure-torch reference; both paths must produce identical bytes.
 //
-// Every call reduces to a table of contiguous byte runs (runs.h). The runs are
-// copied as ONE payload split into equal chunks across threads, so 1000 tiny
-// tensors and 10 huge ones parallelize equally well. Sources or destinations
+// Every call reduces to a table of contiguous byte runs (runs.h), copied in one
+// parallel pass (copy_cpu.h) or one kernel launch. Sources or destinations
 // that are not plain row-major memory (strided, conj/neg views) go through
 // at::Tensor::copy_, which already handles strides. plan.cpp caches the table
 // for a fixed list of tensors (CopyPlan).
-#include "runs.h"
-
-#include <ATen/Parallel.h>
+#include "copy_cpu.h"
 
 #include <algorithm>
 #include <cstring>
@@ -22,44 +19,10 @@
 
 namespace zeroshard {
 
-// Chunks are whole 4 KiB units of the payload, so thread boundaries never
-// split a cache line; payloads under the grain (64 KiB) stay on the calling
-// thread because an OpenMP fork/join costs more than copying them.
-constexpr int64_t kUnit = 4096;
-constexpr int64_t kGrainUnits = 16;
-
 std::vector<int64_t> payload_prefix(const std::vector<Seg>& segs) {
   std::vector<int64_t> prefix(segs.size() + 1, 0);
   for (size_t i = 0; i < segs.size(); ++i) prefix[i + 1] = prefix[i] + segs[i].nbytes;
   return prefix;
-}
-
-void copy_runs_cpu(const std::vector<Seg>& segs, const std::vector<int64_t>& prefix, char* flat,
-                   bool to_flat) {
-  const int64_t total = prefix.back();
-  if (total == 0) return;
-  at::parallel_for(0, (total + kUnit - 1) / kUnit, kGrainUnits, [&](int64_t ub, int64_t ue) {
-    int64_t pos = ub * kUnit;
-    const int64_t end = std::min(ue * kUnit, total);
-    // Runs are non-empty, so this lands on the run containing `pos`.
-    size_t i = std::upper_bound(prefix.begin(), prefix.end(), pos) - prefix.begin() - 1;
-    for (; pos < end; ++i) {
-      const Seg& s = segs[i];
-      const int64_t lo = pos - prefix[i];
-      const int64_t n = std::min(end, prefix[i + 1]) - pos;
-      char* f = flat + s.rel + lo;
-      if (s.ext == nullptr) {
-        std::memset(f, 0, n);
-      } else if (s.ext + lo != f) {  // equal: the tensor already views the flat buffer
-        if (to_flat) {
-          std::memcpy(f, s.ext + lo, n);
-        } else {
-          std::memcpy(s.ext + lo, f, n);
-        }
-      }
-      pos += n;
-    }
-  });
 }
 
 void copy_runs(const std::vector<Seg>& segs, const at::Tensor& flat, bool to_flat) {
@@ -81,7 +44,8 @@ void check_flat(const at::Tensor& flat) {
 
 void check_and_collect(const char* what, const std::vector<const at::Tensor*>& members,
                        const std::vector<int64_t>& offsets, const at::Tensor& flat,
-                       std::vector<Seg>& segs, std::vector<size_t>& strided) {
+                       std::vector<Seg>& segs, std::vector<size_t>& strided,
+                       std::vector<size_t>* seg_members) {
   // One pass, flat's side read once: this loop runs per tensor per call, and
   // each extra pass over 1000 tensors re-reads their TensorImpls.
   const c10::ScalarType dtype = flat.scalar_type();
@@ -119,6 +83,7 @@ void check_and_collect(const char* what, const std::vector<const at::Tensor*>& m
     if (is_memcpyable(t)) {
       // mutable_data_ptr would bump nothing but is refused on inference tensors.
       segs.push_back({const_cast<char*>(static_cast<const char*>(t.const_data_ptr())), off * es, n * es});
+      if (seg_members) seg_members->push_back(i);
     } else {
       strided.push_back(i);
     }

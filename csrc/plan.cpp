@@ -8,11 +8,13 @@
 // a tensor, more than copying a 4 KB parameter. A plan keeps the tensors, the
 // checked run table (on the GPU: uploaded, with a chunk index so warps skip
 // the search) and a snapshot of every tensor's storage. A replay re-checks the
-// snapshot (a few loads per tensor, no Python) and the flat buffer (O(1));
-// any change (a tensor re-pointed with .data= or set_(), a storage resized or
-// freed, another dtype or device for flat) rebuilds the table with the full
-// checks, so a stale plan can never copy to or from the wrong bytes.
-#include "runs.h"
+// snapshot (a few loads per tensor, no Python; on CPU each tensor's by the
+// thread about to copy it, so the loads overlap the copying) and the flat
+// buffer (O(1)); any change (a tensor re-pointed with .data= or set_(), a
+// storage resized or freed, another dtype or device for flat) rebuilds the
+// table with the full checks, so a stale plan can never copy to or from the
+// wrong bytes.
+#include "copy_cpu.h"
 
 #include <mutex>
 
@@ -51,60 +53,86 @@ class Plan {
       : tensors_(std::move(tensors)), offsets_(std::move(offsets)) {
     ZS_CHECK_VALUE(tensors_.size() == offsets_.size(), "zeroshard: got ", tensors_.size(),
                    " tensors but ", offsets_.size(), " offsets");
-    for (const at::Tensor& t : tensors_) ptrs_.push_back(&t);
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      ptrs_.push_back(&tensors_[i]);
+      all_.push_back(i);
+    }
   }
 
-  // False (nothing written) when a tensor or flat needs the pure-torch path.
+  // False when a tensor or flat needs the pure-torch path (the caller's
+  // fallback then writes everything).
   bool run(const at::Tensor& flat, bool to_flat) {
     std::lock_guard<std::mutex> lock(mu_);
     check_flat(flat);
     if (!is_plain(flat)) return false;
-    if (!fresh(flat) && !rebuild(flat)) return false;
-    // O(1) bounds for flat: every member lies below need_ elements.
-    const int64_t es = flat.element_size();
-    if (need_ > flat.numel() ||
-        static_cast<uint64_t>((flat.storage_offset() + need_) * es) > flat.storage().nbytes()) {
-      check_all(flat);  // names the first member out of bounds
+    const bool cpu = flat.device().is_cpu();
+    // On CPU the members with runs are checked inside the parallel copy, each
+    // by the thread about to touch it: their 1000 TensorImpl/StorageImpl reads
+    // (cache misses after a copy) then overlap the copying instead of
+    // preceding it. Only the rest (empty or strided members) is checked here.
+    bool checked = false;
+    if (!built_ || flat.scalar_type() != dtype_ || flat.device() != device_ ||
+        !fresh(cpu ? unsegged_ : all_)) {
+      if (!rebuild(flat)) return false;
+      checked = true;
     }
     if (tensors_.empty()) return true;
-    if (to_flat) {
-      flat.unsafeGetTensorImpl()->bump_version();  // in-place write, as copy_ would record
-    } else {
-      for (const at::Tensor& t : tensors_) {
-        if (t.numel() > 0) t.unsafeGetTensorImpl()->bump_version();
+    for (;;) {
+      check_bounds(flat);
+      if (to_flat) flat.unsafeGetTensorImpl()->bump_version();  // in-place write, as copy_ records
+      // Inference tensors are bumped here: their bump checks InferenceMode, a
+      // thread-local the copy's worker threads do not have.
+      const bool bump_in_copy = cpu && !has_inference_;
+      for (size_t m : bump_in_copy ? unsegged_ : all_) {
+        if (!to_flat && tensors_[m].numel() > 0) tensors_[m].unsafeGetTensorImpl()->bump_version();
       }
-    }
-    char* base = static_cast<char*>(flat.data_ptr());
-    if (!segs_.empty()) {
-      if (flat.device().is_cpu()) {
-        copy_runs_cpu(segs_, prefix_, base, to_flat);
-      } else {
+      char* base = static_cast<char*>(flat.data_ptr());
+      if (cpu) {
+        const bool fits = copy_runs_cpu(segs_, prefix_, base, to_flat, [&](size_t i, bool starts) {
+          const size_t m = seg_member_[i];
+          if (!checked && !(Snapshot::of(tensors_[m]) == snaps_[m])) return false;
+          if (!to_flat && starts && bump_in_copy) tensors_[m].unsafeGetTensorImpl()->bump_version();
+          return true;
+        });
+        if (!fits) {
+          // A member changed: the ones before it may already be copied (the
+          // redo or the pure-torch path overwrites them). Members are only
+          // touched after their own check, so nothing stale was read or written.
+          if (!rebuild(flat)) return false;
+          checked = true;
+          continue;
+        }
+      } else if (!segs_.empty()) {
 #ifdef ZEROSHARD_WITH_CUDA
         launch_runs_cuda(cuda_, base, to_flat, flat.device());
 #endif
       }
+      copy_strided(ptrs_, offsets_, strided_, flat, to_flat);
+      return true;
     }
-    copy_strided(ptrs_, offsets_, strided_, flat, to_flat);
-    return true;
   }
 
   int64_t rebuilds() const { return rebuilds_; }
 
  private:
-  // The table still describes these tensors for a flat buffer like this one.
-  bool fresh(const at::Tensor& flat) const {
-    if (!built_ || flat.scalar_type() != dtype_ || flat.device() != device_) return false;
-    for (size_t i = 0; i < tensors_.size(); ++i) {
-      if (!(Snapshot::of(tensors_[i]) == snaps_[i])) return false;
+  // The table still describes these members.
+  bool fresh(const std::vector<size_t>& members) const {
+    for (size_t m : members) {
+      if (!(Snapshot::of(tensors_[m]) == snaps_[m])) return false;
     }
     return true;
   }
 
-  // Raises the one-shot call's error for the first member that does not fit flat.
-  void check_all(const at::Tensor& flat) const {
-    std::vector<Seg> segs;
-    std::vector<size_t> strided;
-    check_and_collect("tensors", ptrs_, offsets_, flat, segs, strided);
+  // O(1) for flat: every member lies below need_ elements; else raises the
+  // one-shot call's error for the first member that does not fit flat.
+  void check_bounds(const at::Tensor& flat) const {
+    const int64_t es = flat.element_size();
+    if (need_ > flat.numel() ||
+        static_cast<uint64_t>((flat.storage_offset() + need_) * es) > flat.storage().nbytes()) {
+      std::vector<Seg> segs;
+      std::vector<size_t> strided;
+      check_and_collect("tensors", ptrs_, offsets_, flat, segs, strided);
+    }
   }
 
   bool rebuild(const at::Tensor& flat) {
@@ -114,12 +142,21 @@ class Plan {
     }
     segs_.clear();
     strided_.clear();
-    check_and_collect("tensors", ptrs_, offsets_, flat, segs_, strided_);
+    seg_member_.clear();
+    check_and_collect("tensors", ptrs_, offsets_, flat, segs_, strided_, &seg_member_);
     snaps_.clear();
+    unsegged_.clear();
+    has_inference_ = false;
     need_ = 0;
-    for (size_t i = 0; i < tensors_.size(); ++i) {
+    for (size_t i = 0, k = 0; i < tensors_.size(); ++i) {
       snaps_.push_back(Snapshot::of(tensors_[i]));
       need_ = std::max(need_, offsets_[i] + tensors_[i].numel());
+      has_inference_ = has_inference_ || tensors_[i].is_inference();
+      if (k < seg_member_.size() && seg_member_[k] == i) {
+        ++k;
+      } else {
+        unsegged_.push_back(i);
+      }
     }
     prefix_ = payload_prefix(segs_);
 #ifdef ZEROSHARD_WITH_CUDA
@@ -140,8 +177,12 @@ class Plan {
   int64_t rebuilds_ = 0;
   c10::ScalarType dtype_ = at::kFloat;
   at::Device device_ = at::kCPU;
+  bool has_inference_ = false;
   int64_t need_ = 0;  // elements of flat the members reach
   std::vector<Snapshot> snaps_;
+  std::vector<size_t> all_;         // 0 .. n-1
+  std::vector<size_t> seg_member_;  // member of each run
+  std::vector<size_t> unsegged_;    // members with no run: empty or strided
   std::vector<Seg> segs_;
   std::vector<int64_t> prefix_;
   std::vector<size_t> strided_;

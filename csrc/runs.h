@@ -23,11 +23,6 @@ struct Seg {
   int64_t nbytes;  // > 0
 };
 
-// Copies every run: tensor -> flat (to_flat) or flat -> tensor. Runs whose two
-// sides are the same address (a parameter that already views the flat buffer)
-// cost a no-op copy, which is harmless.
-void copy_runs_cpu(const std::vector<Seg>& segs, const std::vector<int64_t>& prefix, char* flat,
-                   bool to_flat);
 // prefix[i] = payload bytes before run i; prefix.back() = total.
 std::vector<int64_t> payload_prefix(const std::vector<Seg>& segs);
 
@@ -110,10 +105,12 @@ void check_flat(const at::Tensor& flat);
 // flat buffer: layout, dtype, device, bounds, and that both storages still
 // hold the bytes a raw copy will touch. Appends a run for each memcpy-able
 // member to `segs` and the others' indices to `strided` (they go through
-// at::Tensor::copy_). Raises before anything is written.
+// at::Tensor::copy_). Raises before anything is written. With seg_members,
+// also appends the member index of each run.
 void check_and_collect(const char* what, const std::vector<const at::Tensor*>& members,
                        const std::vector<int64_t>& offsets, const at::Tensor& flat,
-                       std::vector<Seg>& segs, std::vector<size_t>& strided);
+                       std::vector<Seg>& segs, std::vector<size_t>& strided,
+                       std::vector<size_t>* seg_members = nullptr);
 
 // copy_ for the members that are not plain row-major memory.
 void copy_strided(const std::vector<const at::Tensor*>& members, const std::vector<int64_t>& offsets,

@@ -120,6 +120,98 @@ def test_versions_and_autograd(backend):
     assert out._version > v and out[1:4].tolist() == [1, 2, 3]
 
 
+@pytest.fixture
+def four_threads():
+    """On CPU a replay checks each member on the thread about to copy it, inside one
+    parallel pass: four threads split the payload (and runs) even on a 2-core box."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)
+
+
+def parallel_members(n=64, numel=4099):
+    """n members of ~16 KB: a 1 MB payload cut into 4 KiB chunks across threads,
+    with most runs split between two of them (numel is odd, so runs straddle chunks)."""
+    gen = torch.Generator().manual_seed(n)
+    tensors = [torch.randn(numel, generator=gen) for _ in range(n)]
+    offsets = [i * (numel + 1) for i in range(n)]
+    return tensors, offsets, n * (numel + 1)
+
+
+@needs_ext
+@pytest.mark.parametrize("changed", [0, 31, 63])
+def test_a_member_changed_since_the_last_replay_is_caught_inside_the_parallel_copy(
+    four_threads, changed
+):
+    tensors, offsets, total = parallel_members()
+    plan = ext.CopyPlan(tensors, offsets)
+    flat = torch.zeros(total)
+    plan.flatten_into(flat)
+    old = tensors[changed].data
+    tensors[changed].data = torch.full_like(old, 7.0)  # re-pointed: the plan's address is stale
+    plan.flatten_into(flat)
+    want = torch.zeros(total)
+    run("python", ext.flatten_into, tensors, offsets, want)
+    assert torch.equal(flat, want) and plan.rebuilds == 2
+    old_bytes = old.clone()
+    tensors[changed].data = torch.empty_like(old)
+    src = torch.arange(float(total))
+    plan.unflatten_into(src)
+    assert torch.equal(old, old_bytes), "wrote through the stale address"
+    for t, o in zip(tensors, offsets):
+        assert torch.equal(t, src[o : o + t.numel()])
+    assert plan.rebuilds == 3
+    # Changed so that it no longer fits: the one-shot call's error, and the freed
+    # member's old storage is never touched.
+    tensors[changed].resize_(total + 1)
+    with pytest.raises(ValueError, match=rf"tensors\[{changed}\] range .* out of bounds"):
+        plan.unflatten_into(src)
+    tensors[changed].resize_(old.numel())
+    tensors[changed].untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match=rf"tensors\[{changed}\] reaches byte .* storage"):
+        plan.flatten_into(flat)
+
+
+@needs_ext
+@pytest.mark.parametrize("method", ["flatten_into", "unflatten_into"])
+def test_parallel_replays_move_versions_as_the_python_path(four_threads, method):
+    """Members bump their version counter once per unflatten (a run split between
+    threads too), as _foreach_copy_ does; flat moves on flatten only (the python path
+    bumps it once per member view, the plan once)."""
+    deltas = {}
+    for backend in ("ext", "python"):
+        tensors, offsets, total = parallel_members()
+        plan, flat = ext.CopyPlan(tensors, offsets), torch.zeros(total)
+        for rep in range(3):  # the first replay builds the table, the others use it
+            before = [t._version for t in tensors] + [flat._version]
+            replay(backend, plan, method, flat)
+            after = [t._version for t in tensors] + [flat._version]
+            deltas.setdefault(backend, []).append([b - a for a, b in zip(before, after)])
+    members = {b: [d[:-1] for d in ds] for b, ds in deltas.items()}
+    assert members["ext"] == members["python"]
+    assert set(members["ext"][-1]) == {1 if method == "unflatten_into" else 0}
+    flat_moved = {b: [d[-1] > 0 for d in ds] for b, ds in deltas.items()}
+    assert flat_moved["ext"] == flat_moved["python"] == [method == "flatten_into"] * 3
+
+
+@needs_ext
+def test_parallel_replays_into_inference_tensors(four_threads):
+    """An inference tensor's version bump checks InferenceMode, which only the calling
+    thread has: the plan must not bump it on the copy's worker threads."""
+    with torch.inference_mode():
+        tensors, offsets, total = parallel_members()
+        plan = ext.CopyPlan(tensors, offsets)
+        src = torch.arange(float(total))
+        for _ in range(2):
+            plan.unflatten_into(src)
+        assert all(torch.equal(t, src[o : o + t.numel()]) for t, o in zip(tensors, offsets))
+    before = [t.clone() for t in tensors]
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        plan.unflatten_into(torch.zeros(total))  # outside inference mode: torch's error...
+    assert all(torch.equal(t, b) for t, b in zip(tensors, before)), "...before any write"
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_plan_matches_python(dtype):
