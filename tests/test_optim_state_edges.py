@@ -131,3 +131,102 @@ def test_state_order_inside_a_parameter_matches_torch(ranks, optim_name, strateg
     mu_product before step), and passes a NO_SHARD parameter's state through
     in the optimizer's order."""
     assert all(ranks.run(2, _key_order, optim_name, strategy))
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.s = torch.nn.Linear(1, 1, bias=False)  # one element: rank 1's shard of it is all padding
+
+    def forward(self, x):
+        return x * self.s.weight
+
+
+def _per_rank_optimizers(rank, world_size, form):
+    """use_orig_params=True; each rank's optimizer holds only its non-empty shards, so the 1-element
+    parameter is in rank 0's optimizer only. Saving hung (the unit's gather ran on rank 0 alone)."""
+    import torch.distributed.fsdp as tfsdp
+    import torch.distributed.fsdp.wrap as twrap
+
+    import zeroshard as zs
+    out = {}
+    for engine, lib, wrap in (("torch", tfsdp, twrap), ("zeroshard", zs, zs.wrap)):
+        torch.manual_seed(0)
+        base = torch.nn.Sequential(torch.nn.Linear(4, 4), _Scale())
+        kwargs = {"device_id": torch.device("cpu")} if engine == "torch" else {}
+        model = _quiet(lib.FullyShardedDataParallel, base, auto_wrap_policy=wrap.ModuleWrapPolicy({_Scale}),
+                       use_orig_params=True, **kwargs)
+        optim = torch.optim.AdamW([p for p in model.parameters() if p.numel() > 0], lr=1e-2)
+        for step in range(2):
+            model(torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * step + rank))).pow(2).mean().backward()
+            optim.step()
+            optim.zero_grad()
+        out[engine] = (model, optim, _osd(engine, model, optim))
+    assert _same(out["torch"][2], out["zeroshard"][2])  # every rank gets the 1-element parameter's state
+    assert "1.s.weight" in out["zeroshard"][2]["state"]
+    model, optim, _ = out["zeroshard"]
+    kind = zs.StateDictType.SHARDED_STATE_DICT if form == "sharded" else zs.StateDictType.FULL_STATE_DICT
+    ocfg = zs.FullOptimStateDictConfig(rank0_only=True) if form == "rank0_only" else None
+    with zs.FSDP.state_dict_type(model, kind, None, ocfg):
+        osd = _quiet(zs.FSDP.optim_state_dict, model, optim)
+        # Loaded into the same per-rank optimizer: rank 1 takes part in the rows' all-gathers (or rank 0's
+        # broadcasts) of a parameter its optimizer does not hold. rank0_only cannot work here: rank 0's
+        # param groups name a parameter rank 1's optimizer lacks, which every rank learns and raises for.
+        if form == "rank0_only":
+            with pytest.raises(ValueError, match="rank 1 cannot load its optimizer state dict|param group 0"):
+                zs.FSDP.optim_state_dict_to_load(model, optim, osd)
+        else:
+            fresh = torch.optim.AdamW([p for p in model.parameters() if p.numel() > 0], lr=1e-2)
+            fresh.load_state_dict(zs.FSDP.optim_state_dict_to_load(model, fresh, osd))
+            assert _same(fresh.state_dict(), optim.state_dict())
+        # A dict of an optimizer over all parameters: refused on every rank, before any collective.
+        with pytest.raises(ValueError, match="param group 0 .* does not hold|cannot load its optimizer state dict"):
+            zs.FSDP.optim_state_dict_to_load(model, torch.optim.AdamW(model.parameters(), lr=1e-2), osd)
+    return True
+
+
+@pytest.mark.parametrize("form", ["full", "rank0_only", "sharded"])
+def test_optimizers_holding_different_parameters_per_rank(ranks, form):
+    assert all(ranks.run(2, _per_rank_optimizers, form, timeout=90))
+
+
+class _SGDWithNone(torch.optim.SGD):
+    @torch.no_grad()
+    def step(self):
+        super().step()
+        for p in (p for g in self.param_groups for p in g["params"] if p.grad is not None):
+            self.state[p]["extra"] = None
+
+
+def _flat_state_misuse(rank, world_size):
+    """use_orig_params=False: one FlatParameter state per unit, so its parameters' states must agree.
+    zeroshard accepted these dicts silently (zeros or a float64 state loaded) where torch raises."""
+    base = build("mlp")
+    for engine in ENGINES:
+        model, optim, _ = _trained(engine, base)
+        full = _osd(engine, model, optim)
+        to_load = lambda osd: _quiet(_fsdp(engine).optim_state_dict_to_load, model, optim, osd)  # noqa: E731
+        cases = {"names": lambda st: st["blocks.0.l1.weight"].pop("exp_avg_sq"),
+                 "dtype": lambda st: st["blocks.0.l1.weight"].update(exp_avg=st["blocks.0.l1.weight"]["exp_avg"].double()),
+                 "missing": lambda st: st.pop("blocks.0.l2.weight")}
+        messages = {"names": "have different names", "dtype": "different dtypes", "missing": "but not for"}
+        for how, edit in cases.items():
+            osd = copy.deepcopy(full)
+            edit(osd["state"])
+            with pytest.raises((ValueError, KeyError), match=messages[how] if engine == "zeroshard" else None):
+                to_load(osd)
+        # An optimizer over another model's parameters.
+        foreign = torch.optim.AdamW(build("mlp").parameters(), lr=1e-2)
+        with pytest.raises((ValueError, KeyError), match="not in the model" if engine == "zeroshard" else None):
+            _osd(engine, model, foreign)
+        # A state whose value is None passes through, as torch passes it.
+        sgd = _SGDWithNone(model.parameters(), lr=1e-2, momentum=0.9)
+        model(batch("mlp", rank, 0)).pow(2).mean().backward()
+        sgd.step()
+        loaded = _quiet(_fsdp(engine).optim_state_dict_to_load, model, sgd, _osd(engine, model, sgd))
+        assert all(st["extra"] is None for st in loaded["state"].values())
+    return True
+
+
+def test_flat_parameter_states_that_disagree_are_refused_and_none_passes(ranks):
+    assert all(ranks.run(2, _flat_state_misuse))

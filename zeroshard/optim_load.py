@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .optim_state import _is_elem, _is_rank0, _optim_params, _param_index, _settings
+from .optim_state import _NOT_IN_MODEL, _is_elem, _is_rank0, _optim_params, _param_index, _settings
 from .sharded_state import from_row_shard
 from .summon import units_of
 
@@ -42,6 +42,10 @@ class _FullStates:
                              "what optim_state_dict returned; if only rank 0 has it, load under state_dict_type(..., "
                              "FullOptimStateDictConfig(rank0_only=True)).")
         self.state, self.param_groups = osd["state"], osd["param_groups"]
+        # (FQN, name) of every row-sharded state: fetching one all-gathers it.
+        self.row_keys = sorted((f, k) for f, st in self.state.items() if isinstance(st, dict) for k, v in st.items()
+                               if type(v).__name__ in ("DTensor", "ShardedTensor"))
+        self.collective = bool(self.row_keys)
 
     def get(self, fqn: str) -> dict | None:
         st = self.state.get(fqn)
@@ -81,6 +85,7 @@ class _Rank0States:
             raise ValueError(box[0])
         self.specs, self.param_groups = box[0]["state"], box[0]["param_groups"]
         self.full = osd["state"] if self.rank0 else None
+        self.row_keys, self.collective = [], True  # every per-element state is broadcast
 
     def get(self, fqn: str) -> dict | None:
         spec = self.specs.get(fqn)
@@ -106,7 +111,9 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     SHARDED rows: zeroshard's DTensors or torch FSDP1's ShardedTensors) into
     ``optim.load_state_dict``'s input for this rank.
 
-    A FULL dict needs no communication; rows are all-gathered; with
+    Collective: call on every rank. One exchange of metadata first checks
+    that every rank can convert its dict (:func:`_agree`); then a FULL dict
+    needs no communication, rows are all-gathered, and with
     ``FullOptimStateDictConfig(rank0_only=True)`` set by ``state_dict_type``
     only rank 0's dict is read (other ranks may pass ``{}``) and broadcast.
     ``rank0_only`` overrides that setting (torch's older API names it in the
@@ -124,13 +131,23 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
         source = _FullStates(optim_state_dict)
     index = _param_index(model)
     params = _optim_params(optim)
-    state, fqn_groups, empty_shard = {}, [], []
-    for pid, p in enumerate(params):
-        kind, h, i, names = index.get(id(p), ("plain", None, None, None))
-        if names is None:
-            raise ValueError("zeroshard: optim_state_dict_to_load: the optimizer holds a parameter that is not in the model. "
-                             "Fix: pass the model whose parameters the optimizer was built from.")
-        fqn_groups.append(names if kind == "flat" else [names])
+    try:  # checked on every rank before any state is fetched (see _agree)
+        fqn_groups = [_fqns(index, p) for p in params]
+        groups, problem = _param_groups(source.param_groups, optim, fqn_groups), None
+    except ValueError as e:
+        problem = e
+    _agree(problem, source.row_keys, group)
+    pid_of = {id(p): pid for pid, p in enumerate(params)}
+    state, empty_shard = {}, []
+    # The model's parameters in the model's order, the same on every rank, so the fetches' collectives match
+    # even where this rank's optimizer holds other parameters than another rank's (a parameter it does not
+    # hold is still fetched, and dropped, when fetching is collective).
+    for key, (kind, h, i, names) in index.items():
+        pid = pid_of.get(key)
+        if pid is None:
+            for f in (names if kind == "flat" else [names]) if source.collective else ():
+                source.get(f)
+            continue
         if kind == "flat":
             st = _flatten_shard(h, names, {f: v for f in names if (v := source.get(f)) is not None})
         elif kind == "orig":
@@ -143,11 +160,26 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
             st = {k: v.clone() if torch.is_tensor(v) else v for k, v in full.items()} if full is not None else None
         if st:
             state[pid] = st
-    groups, pos = [], 0
-    saved_groups = source.param_groups
+    state = dict(sorted(state.items()))  # the optimizer's order
+    if named:
+        return _by_name(model, optim, params, state, groups, empty_shard)
+    return {"state": state, "param_groups": groups}
+
+
+def _fqns(index: dict, p) -> list[str]:
+    kind, _, _, names = index.get(id(p), ("plain", None, None, None))
+    if names is None:
+        raise ValueError(_NOT_IN_MODEL.format("optim_state_dict_to_load"))
+    return names if kind == "flat" else [names]
+
+
+def _param_groups(saved_groups: list, optim, fqn_groups: list) -> list:
+    """The saved groups' settings with this optimizer's positions, after checking that each saved group
+    names exactly the parameters of the optimizer's group."""
     if len(saved_groups) != len(optim.param_groups):
         raise ValueError(f"zeroshard: the optimizer state dict has {len(saved_groups)} param groups but the optimizer has "
                          f"{len(optim.param_groups)}. Fix: build the optimizer with the same param groups as when saving.")
+    groups, pos = [], 0
     for gi, (saved, ours) in enumerate(zip(saved_groups, optim.param_groups)):
         ids = list(range(pos, pos + len(ours["params"])))
         pos += len(ours["params"])
@@ -159,9 +191,31 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
                              f"parameters (missing e.g. {missing}, unexpected e.g. {extra}). Fix: load a state dict "
                              "saved from the same model and param groups.")
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-    if named:
-        return _by_name(model, optim, params, state, groups, empty_shard)
-    return {"state": state, "param_groups": groups}
+    return groups
+
+
+def _agree(problem: ValueError | None, row_keys: list, group) -> None:
+    """Every rank learns whether any rank cannot load its dict, and whether all hold the same row-sharded
+    states, before a state is fetched: fetching rows or rank 0's states is collective, so a rank raising
+    alone would leave the others waiting, and mismatched all-gathers abort the processes under gloo."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        if problem is not None:
+            raise problem
+        return
+    mine = (None if problem is None else str(problem), row_keys)
+    everyone = comm.gather_objects(mine, group, "optim_state_dict_to_load: checking every rank's state dict")
+    if problem is not None:
+        raise problem
+    for r, (theirs, keys) in enumerate(everyone):
+        who = r if group is None else dist.get_global_rank(group, r)
+        if theirs is not None:
+            raise ValueError(f"zeroshard: optim_state_dict_to_load: nothing was converted: rank {who} cannot load its "
+                             f"optimizer state dict: {theirs}")
+        if keys != row_keys:
+            here, there = sorted(set(row_keys) - set(keys))[:3], sorted(set(keys) - set(row_keys))[:3]
+            raise ValueError(f"zeroshard: optim_state_dict_to_load: this rank and rank {who} hold different row-sharded "
+                             f"optimizer states (only here: {here}, only there: {there}). Fix: give every rank the "
+                             "dict that optim_state_dict returned on it (or that DCP loaded).")
 
 
 def _by_name(model: nn.Module, optim, params: list, state: dict, groups: list, empty_shard: list) -> dict:
@@ -187,27 +241,42 @@ def _flatten_shard(h, fqns: list[str], full: dict) -> dict | None:
     present = [f for f in fqns if f in full]
     if not present:
         return None
+    # One FlatParameter has one state: every parameter of the unit must have one, with the same names, the
+    # same dtype per name and the same scalars (torch FSDP1 refuses the same dicts).
+    fix = "Fix: load with use_orig_params=True, or load a state dict saved from the same model."
+    if len(present) < len(fqns):
+        raise ValueError(f"zeroshard: the optimizer state dict has states for {present[:3]} but not for "
+                         f"{[f for f in fqns if f not in full][:3]}, parameters of unit '{h.unit_name}' that share one "
+                         f"FlatParameter (use_orig_params=False) and so one optimizer state. {fix}")
+    names = list(full[present[0]])
+    for f in present:
+        if set(full[f]) != set(names):
+            raise ValueError(f"zeroshard: the optimizer states of '{present[0]}' ({sorted(names)}) and '{f}' "
+                             f"({sorted(full[f])}) have different names, but they share one FlatParameter of unit "
+                             f"'{h.unit_name}' and so one optimizer state. {fix}")
     layout, device = h.layout, h.local_shard.device
     out = {}
-    names = {k for f in present for k in full[f]}
     for name in sorted(names):
-        values = [full[f].get(name) for f in present]
-        sample = next(v for v in values if v is not None)
+        values = [full[f][name] for f in present]
+        sample = values[0]
         if not _is_elem(sample):
             # One FlatParameter has one scalar (e.g. step): its parameters must agree.
-            if any(v is None or (torch.is_tensor(v) and not torch.equal(v, sample)) or (not torch.is_tensor(v) and v != sample) for v in values):
+            if any(torch.is_tensor(v) != torch.is_tensor(sample) or (torch.is_tensor(v) and not torch.equal(v, sample))
+                   or (not torch.is_tensor(v) and v != sample) for v in values):
                 raise ValueError(f"zeroshard: optimizer state '{name}' differs between parameters of unit '{h.unit_name}' "
                                  f"({present}); with use_orig_params=False they share one FlatParameter and one '{name}'. "
                                  "Fix: load with use_orig_params=True, or make the values equal.")
             out[name] = sample.clone() if torch.is_tensor(sample) else sample
             continue
+        if any(not _is_elem(v) or v.dtype != sample.dtype for v in values):
+            raise ValueError(f"zeroshard: optimizer state '{name}' has different dtypes or kinds across the parameters "
+                             f"of unit '{h.unit_name}' ({[str(getattr(v, 'dtype', type(v).__name__)) for v in values]}), "
+                             f"which share one FlatParameter state. {fix}")
         shard = torch.zeros(h.local_shard.numel(), dtype=sample.dtype, device=device)
         start = layout.shard_start if h.sharded else 0
         end = layout.shard_end if h.sharded else layout.numel
         for fqn, info in zip(fqns, layout.params):
-            v = full.get(fqn, {}).get(name)
-            if v is None:
-                continue
+            v = full[fqn][name]
             _check_shape(v, info, name, fqn)
             lo, hi = max(info.offset, start), min(info.offset + info.numel, end)
             if lo < hi:

@@ -170,6 +170,10 @@ def _param_index(model: nn.Module):
     return index
 
 
+_NOT_IN_MODEL = ("zeroshard: {}: the optimizer holds a parameter that is not in the model. Fix: pass the model "
+                 "whose parameters the optimizer was built from.")
+
+
 def _optim_params(optim: torch.optim.Optimizer):
     return [p for group in optim.param_groups for p in group["params"]]
 
@@ -331,12 +335,10 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> 
             return lambda t: to_row_shard(t, mesh)
         return lambda t: to_chunk_sharded_tensor(t, h.group)
 
-    per_unit: dict[int, dict[str, dict]] = {}
-    # Every rank walks the units in the same order, so the collectives match.
-    for h, prefix in _unit_prefixes(model):
-        in_optim = [p for p in ([h.flat_param] if not h.use_orig_params else h.orig_params) if any(p is q for q in params)]
-        if in_optim:
-            per_unit[id(h)] = _gather_unit(h, prefix, states, finish(h))
+    # Every rank gathers every unit, in the same order, so the collectives match even where the optimizers
+    # differ (e.g. built from each rank's non-empty use_orig_params shards): as in torch, every rank then
+    # gets each state some rank's optimizer holds. A unit no optimizer holds gathers no state.
+    per_unit = {id(h): _gather_unit(h, prefix, states, finish(h)) for h, prefix in _unit_prefixes(model)}
     if not keep:
         return OffRank0()
     plain = {}
@@ -344,8 +346,7 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> 
         kind, h, _, fqn = index.get(id(p), ("plain", None, None, None))
         if kind == "plain" and p in states:
             if fqn is None:
-                raise ValueError("zeroshard: optim_state_dict: the optimizer holds a parameter that is not in the model. "
-                                 "Fix: pass the model whose parameters the optimizer was built from.")
+                raise ValueError(_NOT_IN_MODEL.format("optim_state_dict"))
             plain[fqn] = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in states[p].items()}  # torch copies it
     # torch's order of the parameters. use_orig_params: it walks the sorted names,
     # taking unmanaged states at once and each unit's (names sorted) after all of
@@ -372,6 +373,8 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> 
                                  "model.named_parameters() does not have. Fix: build the named optimizer from this wrapped "
                                  "model's named_parameters().")
             kind, _, _, names = index.get(id(p), ("plain", None, None, None))
+            if names is None:
+                raise ValueError(_NOT_IN_MODEL.format("optim_state_dict"))
             fqns += names if kind == "flat" else [names]
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
     return {"state": state, "param_groups": groups}
