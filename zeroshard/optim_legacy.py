@@ -69,7 +69,7 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, gro
 def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module, optim_input=None, optim=None) -> dict:
     """A FULL optimizer state dict (held by every rank) cut to this rank's shards; no communication."""
     target = _optim_or_params(model, optim_input, optim)
-    return optim_load.optim_state_dict_to_load(model, target, full_optim_state_dict, rank0_only=False)
+    return optim_load.optim_state_dict_to_load(model, target, full_optim_state_dict, rank0_only=False, agree=False)
 
 
 def scatter_full_optim_state_dict(full_optim_state_dict: dict | None, model: nn.Module, optim_input=None, optim=None,

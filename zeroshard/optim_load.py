@@ -106,13 +106,14 @@ class _Rank0States:
 
 
 def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict, group=None,
-                             rank0_only: bool | None = None, named: bool = False) -> dict:
+                             rank0_only: bool | None = None, named: bool = False, agree: bool = True) -> dict:
     """Turn an optimizer state dict from :func:`optim_state_dict` (FULL, or
     SHARDED rows: zeroshard's DTensors or torch FSDP1's ShardedTensors) into
     ``optim.load_state_dict``'s input for this rank.
 
     Collective: call on every rank. One exchange of metadata first checks
-    that every rank can convert its dict (:func:`_agree`); then a FULL dict
+    that every rank can convert its dict (:func:`_agree`; ``agree=False``
+    skips it, for a FULL dict converted without communication); then a FULL dict
     needs no communication, rows are all-gathered, and with
     ``FullOptimStateDictConfig(rank0_only=True)`` set by ``state_dict_type``
     only rank 0's dict is read (other ranks may pass ``{}``) and broadcast.
@@ -136,7 +137,10 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
         groups, problem = _param_groups(source.param_groups, optim, fqn_groups), None
     except ValueError as e:
         problem = e
-    _agree(problem, source.row_keys, group)
+    if agree:
+        _agree(problem, source.row_keys, group)
+    elif problem is not None:
+        raise problem
     pid_of = {id(p): pid for pid, p in enumerate(params)}
     state, empty_shard = {}, []
     # The model's parameters in the model's order, the same on every rank, so the fetches' collectives match
