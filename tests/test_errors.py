@@ -208,3 +208,55 @@ def test_a_group_this_rank_is_not_in_is_named(ranks, hybrid):
     what = "process_group[0] (the shard group)" if hybrid else "process_group"
     assert msg1 is not None and f"rank 1: {what} is " in msg1 and "not a process group this rank belongs to" in msg1, msg1
     assert "Fix: create every group on every rank" in msg1, msg1
+
+
+def _non_hybrid_unit_under_hybrid_root(rank, world_size):
+    """A CustomPolicy gives one block NO_SHARD under a HYBRID_SHARD root built from a 2-D mesh. torch FSDP1
+    accepts it and trains that block on the shard group only (replicas drift apart); zeroshard refuses it,
+    naming the unit and the fix, and the fix (the unit's own process_group) trains like a plain model."""
+    import torch.distributed as dist
+    from models import batch, build
+    from parity import _hybrid_groups
+
+    mesh = _hybrid_groups("zeroshard", "mesh")["device_mesh"]
+
+    def policy(own_group, m):
+        if not isinstance(m, Block):
+            return False
+        if m is first:
+            return {"sharding_strategy": zs.ShardingStrategy.NO_SHARD, **own_group}
+        return {"sharding_strategy": zs.ShardingStrategy.HYBRID_SHARD}
+
+    def wrap(own_group):
+        nonlocal first
+        torch.manual_seed(0)
+        model = build("mlp")
+        first = model.blocks[0]
+        return zs.FSDP(model, auto_wrap_policy=zs.wrap.CustomPolicy(functools.partial(policy, own_group)),
+                       sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD, device_mesh=mesh, use_orig_params=True)
+
+    first = None
+    with pytest.raises(ValueError, match=r"tuple needs a hybrid strategy, not NO_SHARD .*Fix: .*process_group of its own"
+                                         r".*\[unit: FullyShardedDataParallel\(Block\)\]"):
+        wrap({})
+    model = wrap({"process_group": dist.group.WORLD})
+    torch.manual_seed(0)
+    plain = build("mlp")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+    for step in range(2):
+        for m, o in zip((model, plain), opts):
+            m(batch("mlp", rank, step)).pow(2).mean().backward()
+            if m is plain:  # what every engine computes: the gradient averaged over all ranks
+                for p in plain.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= world_size
+            o.step()
+            o.zero_grad()
+    with zs.FSDP.summon_full_params(model):
+        got = [p.detach().clone() for p in model.parameters()]
+    # Not bitwise: the hybrid units reduce in two stages (shard group, then replicas), the plain reference in one.
+    return all(torch.allclose(a, b, rtol=0, atol=1e-6) for a, b in zip(got, plain.parameters()))
+
+
+def test_a_non_hybrid_unit_under_a_hybrid_root_is_refused_with_the_fix(ranks):
+    assert all(ranks.run(4, _non_hybrid_unit_under_hybrid_root))

@@ -86,7 +86,10 @@ class FullyShardedDataParallel(nn.Module):
                 "initialized. Fix: call torch.distributed.init_process_group('gloo' or 'nccl', ...) before "
                 "wrapping, or pass process_group=..."
             )
-        shard_group, replicate_group = groups.resolve(process_group, device_mesh, strategy, fsdp_group_size)
+        try:
+            shard_group, replicate_group = groups.resolve(process_group, device_mesh, strategy, fsdp_group_size)
+        except ValueError as e:  # named: under auto-wrapping the unit is not the module the user passed
+            raise ValueError(f"{e} [unit: FullyShardedDataParallel({type(module).__name__})]") from None
         shard_group = shard_group or dist.group.WORLD
         self.process_group, self._replicate_group = shard_group, replicate_group
         self.rank, self.world_size = shard_group.rank(), shard_group.size()

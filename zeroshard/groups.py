@@ -81,7 +81,10 @@ def resolve(process_group, device_mesh, strategy, fsdp_group_size):
                              "(or launch with torchrun, which sets LOCAL_WORLD_SIZE: one shard group per node).")
         return block_groups(int(local))
     if isinstance(process_group, tuple):
-        raise ValueError(f"zeroshard: a (shard, replicate) process_group tuple needs a hybrid strategy, not {strategy.name}.")
+        raise ValueError(f"zeroshard: a (shard, replicate) process_group tuple needs a hybrid strategy, not {strategy.name} "
+                         "(a unit auto-wrapped under a hybrid root is given the root's groups as such a tuple). Fix: give "
+                         "the unit HYBRID_SHARD or _HYBRID_SHARD_ZERO2, or a process_group of its own in the policy's "
+                         "kwargs (e.g. process_group=dist.group.WORLD to replicate it on every rank).")
     _check_member(process_group, "process_group")
     return process_group, None
 
