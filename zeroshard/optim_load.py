@@ -26,8 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .optim_state import _NOT_IN_MODEL, _is_elem, _is_rank0, _optim_params, _param_index, _settings
-from .sharded_state import from_row_shard
+from .optim_state import _fqns, _is_elem, _is_rank0, _optim_params, _param_index, _settings
+from .sharded_state import from_row_shard, is_sharded
 from .summon import units_of
 
 
@@ -44,7 +44,7 @@ class _FullStates:
         self.state, self.param_groups = osd["state"], osd["param_groups"]
         # (FQN, name) of every row-sharded state: fetching one all-gathers it.
         self.row_keys = sorted((f, k) for f, st in self.state.items() if isinstance(st, dict) for k, v in st.items()
-                               if type(v).__name__ in ("DTensor", "ShardedTensor"))
+                               if is_sharded(v))
         self.collective = bool(self.row_keys)
 
     def get(self, fqn: str) -> dict | None:
@@ -133,7 +133,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     index = _param_index(model)
     params = _optim_params(optim)
     try:  # checked on every rank before any state is fetched (see _agree)
-        fqn_groups = [_fqns(index, p) for p in params]
+        fqn_groups = [_fqns(index, p, "optim_state_dict_to_load") for p in params]
         groups, problem = _param_groups(source.param_groups, optim, fqn_groups), None
     except ValueError as e:
         problem = e
@@ -168,13 +168,6 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     if named:
         return _by_name(model, optim, params, state, groups, empty_shard)
     return {"state": state, "param_groups": groups}
-
-
-def _fqns(index: dict, p) -> list[str]:
-    kind, _, _, names = index.get(id(p), ("plain", None, None, None))
-    if names is None:
-        raise ValueError(_NOT_IN_MODEL.format("optim_state_dict_to_load"))
-    return names if kind == "flat" else [names]
 
 
 def _param_groups(saved_groups: list, optim, fqn_groups: list) -> list:

@@ -174,6 +174,14 @@ _NOT_IN_MODEL = ("zeroshard: {}: the optimizer holds a parameter that is not in 
                  "whose parameters the optimizer was built from.")
 
 
+def _fqns(index: dict, p, what: str) -> list[str]:
+    """The plain model's FQN(s) of a parameter the optimizer holds (a FlatParameter stands for several)."""
+    kind, _, _, names = index.get(id(p), ("plain", None, None, None))
+    if names is None:
+        raise ValueError(_NOT_IN_MODEL.format(what))
+    return names if kind == "flat" else [names]
+
+
 def _optim_params(optim: torch.optim.Optimizer):
     return [p for group in optim.param_groups for p in group["params"]]
 
@@ -372,10 +380,7 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> 
                 raise ValueError(f"zeroshard: optim_state_dict: the optimizer's state dict names parameter '{key}', which "
                                  "model.named_parameters() does not have. Fix: build the named optimizer from this wrapped "
                                  "model's named_parameters().")
-            kind, _, _, names = index.get(id(p), ("plain", None, None, None))
-            if names is None:
-                raise ValueError(_NOT_IN_MODEL.format("optim_state_dict"))
-            fqns += names if kind == "flat" else [names]
+            fqns += _fqns(index, p, "optim_state_dict")
         groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
     return {"state": state, "param_groups": groups}
 
