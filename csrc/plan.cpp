@@ -80,16 +80,12 @@ class Plan {
     for (;;) {
       check_bounds(flat);
       if (to_flat) flat.unsafeGetTensorImpl()->bump_version();  // in-place write, as copy_ records
-      // Inference tensors are bumped here: their bump checks InferenceMode, a
-      // thread-local the copy's worker threads do not have.
-      const bool bump_in_copy = cpu && !has_inference_;
-      for (size_t m : bump_in_copy ? unsegged_ : all_) {
-        if (!to_flat && tensors_[m].numel() > 0) tensors_[m].unsafeGetTensorImpl()->bump_version();
-      }
+      const bool bump_in_copy = cpu && !table_.inference;
+      if (!to_flat) bump_versions(ptrs_, table_, /*runs=*/!bump_in_copy);
       char* base = static_cast<char*>(flat.data_ptr());
       if (cpu) {
-        const bool fits = copy_runs_cpu(segs_, prefix_, base, to_flat, [&](size_t i, bool starts) {
-          const size_t m = seg_member_[i];
+        const bool fits = copy_runs_cpu(table_.segs, prefix_, base, to_flat, [&](size_t i, bool starts) {
+          const size_t m = table_.run_member[i];
           if (!checked && !(Snapshot::of(tensors_[m]) == snaps_[m])) return false;
           if (!to_flat && starts && bump_in_copy) tensors_[m].unsafeGetTensorImpl()->bump_version();
           return true;
@@ -102,12 +98,12 @@ class Plan {
           checked = true;
           continue;
         }
-      } else if (!segs_.empty()) {
+      } else if (!table_.segs.empty()) {
 #ifdef ZEROSHARD_WITH_CUDA
         launch_runs_cuda(cuda_, base, to_flat, flat.device());
 #endif
       }
-      copy_strided(ptrs_, offsets_, strided_, flat, to_flat);
+      copy_strided(ptrs_, offsets_, table_.strided, flat, to_flat);
       return true;
     }
   }
@@ -123,44 +119,42 @@ class Plan {
     return true;
   }
 
-  // O(1) for flat: every member lies below need_ elements; else raises the
-  // one-shot call's error for the first member that does not fit flat.
+  // O(1) for flat: every member's range ends by need_ elements and every run
+  // by table_.reach; else raises the one-shot call's error for the first
+  // member that does not fit flat.
   void check_bounds(const at::Tensor& flat) const {
     const int64_t es = flat.element_size();
     if (need_ > flat.numel() ||
-        static_cast<uint64_t>((flat.storage_offset() + need_) * es) > flat.storage().nbytes()) {
-      std::vector<Seg> segs;
-      std::vector<size_t> strided;
-      check_and_collect("tensors", ptrs_, offsets_, flat, segs, strided);
+        (table_.reach > 0 &&
+         static_cast<uint64_t>((flat.storage_offset() + table_.reach) * es) > flat.storage().nbytes())) {
+      Checked ignored;
+      check_and_collect("tensors", ptrs_, offsets_, flat, ignored);
+      // Unreachable: the same checks, on members the snapshots keep plain.
+      ZS_CHECK(false, "zeroshard: flat of numel ", flat.numel(), " is too small for the plan's ",
+               need_, " elements");
     }
   }
 
   bool rebuild(const at::Tensor& flat) {
     built_ = false;
-    for (const at::Tensor& t : tensors_) {
-      if (!is_plain(t)) return false;
-    }
-    segs_.clear();
-    strided_.clear();
-    seg_member_.clear();
-    check_and_collect("tensors", ptrs_, offsets_, flat, segs_, strided_, &seg_member_);
+    table_.clear();
+    if (!check_and_collect("tensors", ptrs_, offsets_, flat, table_)) return false;
     snaps_.clear();
     unsegged_.clear();
-    has_inference_ = false;
     need_ = 0;
     for (size_t i = 0, k = 0; i < tensors_.size(); ++i) {
       snaps_.push_back(Snapshot::of(tensors_[i]));
       need_ = std::max(need_, offsets_[i] + tensors_[i].numel());
-      has_inference_ = has_inference_ || tensors_[i].is_inference();
-      if (k < seg_member_.size() && seg_member_[k] == i) {
+      if (k < table_.run_member.size() && table_.run_member[k] == i) {
         ++k;
       } else {
         unsegged_.push_back(i);
       }
     }
-    prefix_ = payload_prefix(segs_);
+    prefix_ = payload_prefix(table_.segs);
 #ifdef ZEROSHARD_WITH_CUDA
-    cuda_ = flat.device().is_cuda() && !segs_.empty() ? upload_runs_cuda(segs_, flat.device()) : CudaRuns{};
+    cuda_ = flat.device().is_cuda() && !table_.segs.empty() ? upload_runs_cuda(table_.segs, flat.device())
+                                                      : CudaRuns{};
 #endif
     dtype_ = flat.scalar_type();
     device_ = flat.device();
@@ -177,15 +171,12 @@ class Plan {
   int64_t rebuilds_ = 0;
   c10::ScalarType dtype_ = at::kFloat;
   at::Device device_ = at::kCPU;
-  bool has_inference_ = false;
   int64_t need_ = 0;  // elements of flat the members reach
   std::vector<Snapshot> snaps_;
-  std::vector<size_t> all_;         // 0 .. n-1
-  std::vector<size_t> seg_member_;  // member of each run
-  std::vector<size_t> unsegged_;    // members with no run: empty or strided
-  std::vector<Seg> segs_;
-  std::vector<int64_t> prefix_;
-  std::vector<size_t> strided_;
+  std::vector<size_t> all_;       // 0 .. n-1
+  std::vector<size_t> unsegged_;  // members with no run: empty or strided
+  Checked table_;                 // the runs and the strided members
+  std::vector<int64_t> prefix_;   // payload bytes before each run
 #ifdef ZEROSHARD_WITH_CUDA
   CudaRuns cuda_;
 #endif

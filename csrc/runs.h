@@ -101,16 +101,35 @@ inline bool is_memcpyable(const at::Tensor& t) {
 }
 
 void check_flat(const at::Tensor& flat);
+
+// What check_and_collect found in a list of members.
+struct Checked {
+  std::vector<Seg> segs;           // a run per non-empty memcpy-able member, in member order
+  std::vector<size_t> run_member;  // the member of each run
+  std::vector<size_t> strided;     // non-empty members that are not plain row-major memory
+  int64_t reach = 0;               // elements of flat the members cover
+  bool inference = false;          // a non-empty member is an inference tensor
+  void clear();
+};
+
 // Checks members (sources of flatten, destinations of unflatten) against the
 // flat buffer: layout, dtype, device, bounds, and that both storages still
-// hold the bytes a raw copy will touch. Appends a run for each memcpy-able
-// member to `segs` and the others' indices to `strided` (they go through
-// at::Tensor::copy_). Raises before anything is written. With seg_members,
-// also appends the member index of each run.
-void check_and_collect(const char* what, const std::vector<const at::Tensor*>& members,
-                       const std::vector<int64_t>& offsets, const at::Tensor& flat,
-                       std::vector<Seg>& segs, std::vector<size_t>& strided,
-                       std::vector<size_t>* seg_members = nullptr);
+// hold the bytes a raw copy will touch. Appends what it finds to `out`:
+// strided members go through at::Tensor::copy_. Returns false, having raised
+// nothing, if any member is not plain (the caller falls back to the pure-torch
+// path); otherwise raises the first bad member's error before anything is
+// written. Lists of 2 * kMembersPerSlice members or more are checked in
+// parallel slices.
+constexpr size_t kMembersPerSlice = 256;
+bool check_and_collect(const char* what, const std::vector<const at::Tensor*>& members,
+                       const std::vector<int64_t>& offsets, const at::Tensor& flat, Checked& out);
+
+// Version bumps for an unflatten's destinations, as copy_ records an in-place
+// write. Run members are bumped here if `runs` (else the CPU copy bumps each on
+// the thread that starts it); copy_strided's copy_ bumps the strided ones.
+// Inference members are bumped here, before any write: their bump raises
+// torch's error outside InferenceMode, a thread-local the copy's workers lack.
+void bump_versions(const std::vector<const at::Tensor*>& members, const Checked& found, bool runs);
 
 // copy_ for the members that are not plain row-major memory.
 void copy_strided(const std::vector<const at::Tensor*>& members, const std::vector<int64_t>& offsets,

@@ -6,6 +6,7 @@ import os
 import sys
 
 import pytest
+import torch
 from hypothesis import HealthCheck, Phase, settings
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -48,3 +49,13 @@ def ranks():
     r = Ranks()
     yield r
     r.close()
+
+
+@pytest.fixture
+def four_threads():
+    """Four intra-op threads even on a 2-core box: the C++ extension's parallel
+    passes (checks of long tensor lists, copies) then cut their work four ways."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    yield
+    torch.set_num_threads(before)

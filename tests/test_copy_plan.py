@@ -120,16 +120,6 @@ def test_versions_and_autograd(backend):
     assert out._version > v and out[1:4].tolist() == [1, 2, 3]
 
 
-@pytest.fixture
-def four_threads():
-    """On CPU a replay checks each member on the thread about to copy it, inside one
-    parallel pass: four threads split the payload (and runs) even on a 2-core box."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(4)
-    yield
-    torch.set_num_threads(before)
-
-
 def parallel_members(n=64, numel=4099):
     """n members of ~16 KB: a 1 MB payload cut into 4 KiB chunks across threads,
     with most runs split between two of them (numel is odd, so runs straddle chunks)."""

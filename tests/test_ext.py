@@ -195,9 +195,10 @@ def test_unflatten_into_matches_python(case):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_large_parallel_chunks(dtype):
     """Payloads of several MB so at::parallel_for really splits, with chunk borders
-    inside tensors and spanning many small ones, plus strided members."""
+    inside tensors and spanning many small ones, plus strided members; 703 members,
+    so the checks run in parallel slices too."""
     gen = torch.Generator().manual_seed(0)
-    sizes = torch.randint(0, 40_000, (300,), generator=gen).tolist() + [1_000_000, 1, 0]
+    sizes = torch.randint(0, 17_000, (700,), generator=gen).tolist() + [1_000_000, 1, 0]
     tensors = [random_bits([n], dtype, gen) for n in sizes]
     tensors[5] = random_bits([700, 300], dtype, gen).t()
     tensors[17] = random_bits([90_000], dtype, gen)[::3]
@@ -397,3 +398,104 @@ def _check_cuda_case(tensors, offsets, total, gen):
     for g, w in zip(outs_e, outs_p):
         assert same_bytes(g.cpu(), w.cpu())
     torch.cuda.synchronize()
+
+
+# --- long lists: the extension checks them in parallel slices --------------------------
+
+LONG = 1024  # members: four slices of 256 under four_threads, two on a 2-thread box
+
+
+def long_list(gen, numel=33):
+    tensors = [random_bits([numel], torch.float32, gen) for _ in range(LONG)]
+    offsets = [i * (numel + 1) for i in range(LONG)]
+    return tensors, offsets, LONG * (numel + 1)
+
+
+def spoil(tensors, i, how):
+    """Make member i a bad one, as a user bug would."""
+    if how == "dtype":
+        tensors[i] = tensors[i].double()
+    elif how == "bounds":
+        tensors[i] = torch.zeros(10**6)
+    else:  # freed, as FSDP's reshard frees: data_ptr() still answers
+        tensors[i] = tensors[i].clone()
+        tensors[i].untyped_storage().resize_(0)
+
+
+ERRORS = {"dtype": (ValueError, "has dtype"), "bounds": (ValueError, "out of bounds"),
+          "freed": (RuntimeError, "storage")}
+
+
+@needs_ext
+@pytest.mark.parametrize("how", sorted(ERRORS))
+@pytest.mark.parametrize("bad", [(5, 900), (900,), (300, 301, 1023)])
+def test_long_lists_raise_the_first_bad_members_error_before_any_write(four_threads, how, bad):
+    """Slices are checked concurrently, yet the error names the first bad member (as
+    the serial check and the python path do) and nothing is written before it."""
+    gen = torch.Generator().manual_seed(len(bad))
+    tensors, offsets, total = long_list(gen)
+    for i in bad:
+        spoil(tensors, i, how)
+    kind, what = ERRORS[how]
+    first = rf"\[{bad[0]}\]"
+    flat = torch.zeros(total)
+    with pytest.raises(kind, match=first + ".*" + what):
+        run("ext", ext.flatten_into, tensors, offsets, flat)
+    with pytest.raises(kind, match=first + ".*" + what):
+        run("ext", ext.flatten, tensors, offsets, total)
+    assert not flat.any() and flat._version == 0
+    if how == "dtype":  # a double destination is a fine tensor to read back into
+        return
+    before = [storage_bytes(t).clone() for t in tensors]
+    with pytest.raises(kind, match=first + ".*" + what):
+        run("ext", ext.unflatten_into, torch.ones(total), offsets, tensors)
+    assert all(torch.equal(storage_bytes(t), b) for t, b in zip(tensors, before))
+
+
+@needs_ext
+def test_long_lists_with_a_subclass_member_go_to_the_python_path_whole(four_threads):
+    """A member the extension cannot touch (here a meta tensor, late in the list)
+    sends the whole call to the pure-torch path before any check raises, even when
+    an earlier slice holds a bad member: the python path then gives its own error."""
+    from zeroshard import _C
+
+    tensors, offsets, total = long_list(torch.Generator().manual_seed(0))
+    tensors[1000] = torch.empty(33, device="meta")
+    flat = torch.zeros(total)
+    assert _C.flatten_into(tensors, offsets, flat) is False and not flat.any()
+    spoil(tensors, 3, "dtype")
+    assert _C.flatten_into(tensors, offsets, flat) is False
+    assert _C.unflatten_into(flat, offsets, tensors) is False
+    assert _C.flatten(tensors, offsets, total) is None
+    assert not flat.any() and flat._version == 0
+
+
+@needs_ext
+def test_long_unflatten_moves_versions_as_the_python_path(four_threads):
+    """Each destination's version moves once per one-shot unflatten, bumped on the thread
+    that starts its copy (a run split between threads once), strided ones included."""
+    deltas = {}
+    for backend in ("ext", "python"):
+        tensors, offsets, total = long_list(torch.Generator().manual_seed(1), numel=4099)
+        tensors[7] = random_bits([4099 * 2], torch.float32, torch.Generator())[::2]
+        src = torch.arange(float(total))
+        before = [t._version for t in tensors]
+        run(backend, ext.unflatten_into, src, offsets, tensors)
+        deltas[backend] = [t._version - v for t, v in zip(tensors, before)]
+        assert all(torch.equal(t, src[o : o + t.numel()]) for t, o in zip(tensors, offsets))
+    assert deltas["ext"] == deltas["python"]
+    assert set(deltas["ext"][:7] + deltas["ext"][8:]) == {1}
+
+
+@needs_ext
+def test_long_unflatten_into_inference_tensors(four_threads):
+    """Inference tensors are bumped on the calling thread, where InferenceMode is known:
+    inside it the copy runs, outside it torch's error comes before any write."""
+    with torch.inference_mode():
+        tensors, offsets, total = long_list(torch.Generator().manual_seed(2), numel=4099)
+        src = torch.arange(float(total))
+        run("ext", ext.unflatten_into, src, offsets, tensors)
+    assert all(torch.equal(t, src[o : o + t.numel()]) for t, o in zip(tensors, offsets))
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
+        run("ext", ext.unflatten_into, torch.zeros(total), offsets, tensors)
+    assert all(torch.equal(t, src[o : o + t.numel()]) for t, o in zip(tensors, offsets))
