@@ -14,7 +14,7 @@ Compares, in GB/s (payload bytes counted once / median time):
                 once and replayed, as a FlatParamHandle / ZeRO-1 partition repeats it
   plan unflatten  CopyPlan.unflatten_into
 
-Usage: python benchmarks/flatten_bench.py [--quick] [--device cuda]
+Usage: python benchmarks/flatten_bench.py [--quick] [--device cuda] [--tensors 1000 --mb 4]
 """
 
 import argparse
@@ -136,6 +136,8 @@ def main():
     p.add_argument("--quick", action="store_true", help="fewer repetitions")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads")
+    p.add_argument("--tensors", type=int, nargs="+", default=[10, 100, 1000], help="tensor counts")
+    p.add_argument("--mb", type=int, nargs="+", default=[4, 256], help="payloads, MB")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
@@ -156,11 +158,11 @@ def main():
         "plan/py fl": ("plan flatten", "py flatten"), "plan/py unfl": ("plan unflatten", "py unflatten"),
     }
     rows = []
-    for nbytes in (4 * MB, 256 * MB):
+    for nbytes in (mb * MB for mb in args.mb):
         reps = 5 if args.quick else 60
         if nbytes >= 64 * MB and not args.quick:
             reps = 10
-        for n in (10, 100, 1000):
+        for n in args.tensors:
             rows.append((n, nbytes, bench_case(n, nbytes, device, reps)))
             print(f"  measured {n} tensors x {nbytes // MB} MB", flush=True)
     print("\nGB/s (payload bytes / median time, 1 GB = 1e9 B; higher is better)\n")
