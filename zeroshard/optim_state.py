@@ -327,11 +327,12 @@ def _states_of(osd: dict, params: list, by_name: dict) -> dict:
 def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> dict:
     index = _param_index(model)
     params = _optim_params(optim)
-    if osd is None:
-        osd, states = optim.state_dict(), optim.state  # the live states: read in place, nothing re-keyed
-    else:
-        named = any(isinstance(k, str) for g in osd["param_groups"] for k in g["params"])
-        states = _states_of(osd, params, dict(model.named_parameters()) if named else {})
+    live = osd is None  # optim.state itself is read in place, nothing re-keyed
+    osd = optim.state_dict() if live else osd
+    # A named optimizer (torch's _NamedOptimizer, torchrec's KeyedOptimizer)
+    # lists each group's parameters by their names in the wrapped model.
+    by_name = dict(model.named_parameters()) if any(isinstance(k, str) for g in osd["param_groups"] for k in g["params"]) else {}
+    states = optim.state if live else _states_of(osd, params, by_name)
     keep = not rank0_only or _is_rank0(group)
     mesh = device_mesh(units_of(model)[0]) if form == "rows" else None
 
@@ -368,9 +369,6 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> 
         for p in params:
             kind, h, _, fqn = index.get(id(p), ("plain", None, None, None))
             state.update(per_unit.get(id(h), {}) if kind == "flat" else {fqn: plain[fqn]} if fqn in plain else {})
-    # A named optimizer (torch's _NamedOptimizer, torchrec's KeyedOptimizer)
-    # lists each group's parameters by their names in the wrapped model.
-    by_name = dict(model.named_parameters()) if any(isinstance(k, str) for g in osd["param_groups"] for k in g["params"]) else {}
     groups = []
     for g in osd["param_groups"]:
         fqns = []
