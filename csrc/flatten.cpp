@@ -172,12 +172,11 @@ bool check_and_collect(const char* what, const std::vector<const at::Tensor*>& m
 }
 
 void bump_versions(const std::vector<const at::Tensor*>& members, const Checked& found, bool runs) {
+  for (size_t m : found.strided) {  // first: outside InferenceMode this raises
+    if (found.inference && members[m]->is_inference()) members[m]->unsafeGetTensorImpl()->bump_version();
+  }
   if (runs) {
     for (size_t m : found.run_member) members[m]->unsafeGetTensorImpl()->bump_version();
-  }
-  if (!found.inference) return;
-  for (size_t m : found.strided) {
-    if (members[m]->is_inference()) members[m]->unsafeGetTensorImpl()->bump_version();
   }
 }
 

@@ -70,30 +70,33 @@ class Plan {
     // by the thread about to touch it: their 1000 TensorImpl/StorageImpl reads
     // (cache misses after a copy) then overlap the copying instead of
     // preceding it. Only the rest (empty or strided members) is checked here.
+    // A flat too small for the table means a member changed (on CPU, possibly
+    // one with a run, not yet checked) or a bad call: the rebuild's full checks
+    // then raise the one-shot call's error for the first member that does not fit.
     bool checked = false;
-    if (!built_ || flat.scalar_type() != dtype_ || flat.device() != device_ ||
+    if (!built_ || flat.scalar_type() != dtype_ || flat.device() != device_ || !fits(flat) ||
         !fresh(cpu ? unsegged_ : all_)) {
       if (!rebuild(flat)) return false;
       checked = true;
     }
     if (tensors_.empty()) return true;
     for (;;) {
-      check_bounds(flat);
       if (to_flat) flat.unsafeGetTensorImpl()->bump_version();  // in-place write, as copy_ records
       const bool bump_in_copy = cpu && !table_.inference;
       if (!to_flat) bump_versions(ptrs_, table_, /*runs=*/!bump_in_copy);
       char* base = static_cast<char*>(flat.data_ptr());
       if (cpu) {
-        const bool fits = copy_runs_cpu(table_.segs, prefix_, base, to_flat, [&](size_t i, bool starts) {
+        const bool copied = copy_runs_cpu(table_.segs, prefix_, base, to_flat, [&](size_t i, bool starts) {
           const size_t m = table_.run_member[i];
           if (!checked && !(Snapshot::of(tensors_[m]) == snaps_[m])) return false;
           if (!to_flat && starts && bump_in_copy) tensors_[m].unsafeGetTensorImpl()->bump_version();
           return true;
         });
-        if (!fits) {
+        if (!copied) {
           // A member changed: the ones before it may already be copied (the
-          // redo or the pure-torch path overwrites them). Members are only
-          // touched after their own check, so nothing stale was read or written.
+          // redo or the pure-torch path overwrites them, and those bumped
+          // move their version twice). Members are only touched after their
+          // own check, so nothing stale was read or written.
           if (!rebuild(flat)) return false;
           checked = true;
           continue;
@@ -119,20 +122,13 @@ class Plan {
     return true;
   }
 
-  // O(1) for flat: every member's range ends by need_ elements and every run
-  // by table_.reach; else raises the one-shot call's error for the first
-  // member that does not fit flat.
-  void check_bounds(const at::Tensor& flat) const {
+  // O(1): every member's range ends by need_ elements of flat, and flat's
+  // storage holds the table_.reach elements the non-empty ones cover.
+  bool fits(const at::Tensor& flat) const {
     const int64_t es = flat.element_size();
-    if (need_ > flat.numel() ||
-        (table_.reach > 0 &&
-         static_cast<uint64_t>((flat.storage_offset() + table_.reach) * es) > flat.storage().nbytes())) {
-      Checked ignored;
-      check_and_collect("tensors", ptrs_, offsets_, flat, ignored);
-      // Unreachable: the same checks, on members the snapshots keep plain.
-      ZS_CHECK(false, "zeroshard: flat of numel ", flat.numel(), " is too small for the plan's ",
-               need_, " elements");
-    }
+    return need_ <= flat.numel() &&
+           (table_.reach == 0 ||
+            static_cast<uint64_t>((flat.storage_offset() + table_.reach) * es) <= flat.storage().nbytes());
   }
 
   bool rebuild(const at::Tensor& flat) {

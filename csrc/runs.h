@@ -106,7 +106,7 @@ void check_flat(const at::Tensor& flat);
 struct Checked {
   std::vector<Seg> segs;           // a run per non-empty memcpy-able member, in member order
   std::vector<size_t> run_member;  // the member of each run
-  std::vector<size_t> strided;     // non-empty members that are not plain row-major memory
+  std::vector<size_t> strided;     // non-empty members that are not memcpy-able (copy_ moves them)
   int64_t reach = 0;               // elements of flat the members cover
   bool inference = false;          // a non-empty member is an inference tensor
   void clear();
@@ -119,7 +119,8 @@ struct Checked {
 // nothing, if any member is not plain (the caller falls back to the pure-torch
 // path); otherwise raises the first bad member's error before anything is
 // written. Lists of 2 * kMembersPerSlice members or more are checked in
-// parallel slices.
+// parallel slices of at least kMembersPerSlice, one per thread (none inside
+// another parallel region).
 constexpr size_t kMembersPerSlice = 256;
 bool check_and_collect(const char* what, const std::vector<const at::Tensor*>& members,
                        const std::vector<int64_t>& offsets, const at::Tensor& flat, Checked& out);

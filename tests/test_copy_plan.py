@@ -164,6 +164,46 @@ def test_a_member_changed_since_the_last_replay_is_caught_inside_the_parallel_co
 
 
 @needs_ext
+def test_a_member_shrunk_since_the_last_replay_lets_a_smaller_flat_through():
+    """The plan's O(1) bound test fails for a flat smaller than the table reaches; when
+    the members now fit it (one shrank: on CPU, not yet checked), the plan rebuilds
+    instead of raising."""
+    a, b = torch.randn(10), torch.randn(10)
+    plan = ext.CopyPlan([a, b], [0, 10])
+    plan.flatten_into(torch.zeros(20))
+    b.data = torch.randn(5)
+    flat = torch.zeros(15)
+    assert plan.flatten_into(flat) is flat and plan.rebuilds == 2
+    assert torch.equal(flat, torch.cat([a, b]))
+    with pytest.raises(ValueError, match=r"tensors\[1\] range \[10, 15\) is out of bounds"):
+        plan.flatten_into(torch.zeros(14))
+
+
+@needs_ext
+def test_long_plans_match_the_python_path(four_threads):
+    """1024 members (checked in parallel slices when the table is built), strided and
+    empty ones among them: replays write the python path's bytes and versions."""
+    got = {}
+    for backend in ("ext", "python"):
+        gen = torch.Generator().manual_seed(3)
+        tensors = [torch.randn(int(n), generator=gen) for n in torch.randint(0, 300, (1024,), generator=gen)]
+        tensors[5] = torch.randn(40, 30, generator=gen).t()
+        tensors[700] = torch.randn(90, generator=gen)[::3]
+        offsets = torch.cumsum(torch.tensor([0] + [t.numel() + 1 for t in tensors[:-1]]), 0).tolist()
+        total = offsets[-1] + tensors[-1].numel() + 2
+        plan, flat = ext.CopyPlan(tensors, offsets), torch.full((total,), -1.0)
+        replay(backend, plan, "flatten_into", flat)
+        src = torch.randn(total, generator=gen)
+        before = [t._version for t in tensors]
+        replay(backend, plan, "unflatten_into", src)
+        got[backend] = (flat, [t.clone() for t in tensors], [t._version - v for t, v in zip(tensors, before)])
+    (flat, outs, versions), (want_flat, want_outs, want_versions) = got["ext"], got["python"]
+    assert torch.equal(flat, want_flat) and all(torch.equal(o, w) for o, w in zip(outs, want_outs))
+    nonempty = [i for i, o in enumerate(outs) if o.numel()]
+    assert [versions[i] for i in nonempty] == [want_versions[i] for i in nonempty]
+
+
+@needs_ext
 @pytest.mark.parametrize("method", ["flatten_into", "unflatten_into"])
 def test_parallel_replays_move_versions_as_the_python_path(four_threads, method):
     """Members bump their version counter once per unflatten (a run split between

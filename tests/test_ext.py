@@ -193,7 +193,7 @@ def test_unflatten_into_matches_python(case):
 
 @needs_ext
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_large_parallel_chunks(dtype):
+def test_large_parallel_chunks(four_threads, dtype):
     """Payloads of several MB so at::parallel_for really splits, with chunk borders
     inside tensors and spanning many small ones, plus strided members; 703 members,
     so the checks run in parallel slices too."""
@@ -402,7 +402,7 @@ def _check_cuda_case(tensors, offsets, total, gen):
 
 # --- long lists: the extension checks them in parallel slices --------------------------
 
-LONG = 1024  # members: four slices of 256 under four_threads, two on a 2-thread box
+LONG = 1024  # members: four slices of 256 under four_threads
 
 
 def long_list(gen, numel=33):
@@ -468,6 +468,9 @@ def test_long_lists_with_a_subclass_member_go_to_the_python_path_whole(four_thre
     assert _C.unflatten_into(flat, offsets, tensors) is False
     assert _C.flatten(tensors, offsets, total) is None
     assert not flat.any() and flat._version == 0
+    # The same within one slice (and in a short list): no member is checked before all are seen.
+    short = [torch.ones(3, dtype=torch.float64), torch.empty(3, device="meta")]
+    assert _C.flatten_into(short, [0, 3], flat) is False and not flat.any()
 
 
 @needs_ext
