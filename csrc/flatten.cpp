@@ -43,14 +43,6 @@ void check_flat(const at::Tensor& flat) {
                  " strides ", flat.strides());
 }
 
-void Checked::clear() {
-  segs.clear();
-  run_member.clear();
-  strided.clear();
-  reach = 0;
-  inference = false;
-}
-
 namespace {
 
 // check_and_collect over members [b, e), appending to `out`. Returns false,

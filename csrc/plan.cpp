@@ -16,6 +16,7 @@
 // wrong bytes.
 #include "copy_cpu.h"
 
+#include <algorithm>
 #include <mutex>
 
 namespace zeroshard {
@@ -53,10 +54,7 @@ class Plan {
       : tensors_(std::move(tensors)), offsets_(std::move(offsets)) {
     ZS_CHECK_VALUE(tensors_.size() == offsets_.size(), "zeroshard: got ", tensors_.size(),
                    " tensors but ", offsets_.size(), " offsets");
-    for (size_t i = 0; i < tensors_.size(); ++i) {
-      ptrs_.push_back(&tensors_[i]);
-      all_.push_back(i);
-    }
+    for (const at::Tensor& t : tensors_) ptrs_.push_back(&t);
   }
 
   // False when a tensor or flat needs the pure-torch path (the caller's
@@ -75,7 +73,7 @@ class Plan {
     // then raise the one-shot call's error for the first member that does not fit.
     bool checked = false;
     if (!built_ || flat.scalar_type() != dtype_ || flat.device() != device_ || !fits(flat) ||
-        !fresh(cpu ? unsegged_ : all_)) {
+        !fresh(cpu)) {
       if (!rebuild(flat)) return false;
       checked = true;
     }
@@ -114,10 +112,13 @@ class Plan {
   int64_t rebuilds() const { return rebuilds_; }
 
  private:
-  // The table still describes these members.
-  bool fresh(const std::vector<size_t>& members) const {
-    for (size_t m : members) {
-      if (!(Snapshot::of(tensors_[m]) == snaps_[m])) return false;
+  // The table still describes the members a replay does not check in its
+  // copy: on CPU those without a run (empty or strided), elsewhere all.
+  bool fresh(bool cpu) const {
+    const auto same = [&](size_t m) { return Snapshot::of(tensors_[m]) == snaps_[m]; };
+    if (cpu) return std::all_of(unsegged_.begin(), unsegged_.end(), same);
+    for (size_t m = 0; m < tensors_.size(); ++m) {
+      if (!same(m)) return false;
     }
     return true;
   }
@@ -133,7 +134,7 @@ class Plan {
 
   bool rebuild(const at::Tensor& flat) {
     built_ = false;
-    table_.clear();
+    table_ = Checked{};
     if (!check_and_collect("tensors", ptrs_, offsets_, flat, table_)) return false;
     snaps_.clear();
     unsegged_.clear();
@@ -169,7 +170,6 @@ class Plan {
   at::Device device_ = at::kCPU;
   int64_t need_ = 0;  // elements of flat the members reach
   std::vector<Snapshot> snaps_;
-  std::vector<size_t> all_;       // 0 .. n-1
   std::vector<size_t> unsegged_;  // members with no run: empty or strided
   Checked table_;                 // the runs and the strided members
   std::vector<int64_t> prefix_;   // payload bytes before each run

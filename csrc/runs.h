@@ -109,7 +109,6 @@ struct Checked {
   std::vector<size_t> strided;     // non-empty members that are not memcpy-able (copy_ moves them)
   int64_t reach = 0;               // elements of flat the members cover
   bool inference = false;          // a non-empty member is an inference tensor
-  void clear();
 };
 
 // Checks members (sources of flatten, destinations of unflatten) against the
