@@ -11,11 +11,14 @@ script runs by changing its import::
 
 ZeRO stages (``zero_optimization.stage``) become:
 
-* 0, data parallel: torch ``DistributedDataParallel``. Chosen over zeroshard's
-  NO_SHARD because DDP *is* what DeepSpeed's stage 0 is equivalent to, its
-  bucketed all-reduce overlaps backward, and it keeps the user's parameter
-  objects (an optimizer or param groups built before ``initialize`` stay
-  valid; NO_SHARD would hand the optimizer FlatParameters).
+* 0, data parallel: DeepSpeed's own ``allreduce_gradients``. At an
+  accumulation boundary ``backward`` sums every trainable parameter's gradient
+  over the ranks and scales it by 1/world_size, a parameter that got no
+  gradient contributing zeros (so every rank reduces the same elements and the
+  optimizer steps it, as in DeepSpeed). torch DDP, used here before, refuses a
+  parameter without gradient (its next forward raises) and broadcasts rank 0's
+  buffers every forward, which DeepSpeed does not. The user's parameter
+  objects stay the optimizer's, as at every stage.
 * 1, optimizer states sharded: ``zero1.ZeroOneOptimizer`` (from scratch;
   torch FSDP has no ZeRO-1).
 * 2: ``FullyShardedDataParallel(sharding_strategy=SHARD_GRAD_OP)``.
@@ -29,8 +32,8 @@ DeepSpeed does. ``initialize(fsdp_kwargs=...)`` adds FSDP keywords (an
 policy the whole model is one unit.
 
 Gradient accumulation follows DeepSpeed's ``allreduce_gradients``: stages 0/1
-communicate only at the boundary (DDP's gradient sync is switched off for
-the other micro-steps, ZeRO-1 reduces in ``step()``); stages 2/3 reduce-scatter
+communicate only at the boundary (stage 0 in that micro-step's ``backward``,
+ZeRO-1 in ``step()``); stages 2/3 reduce-scatter
 every micro-step into the sharded gradient, because skipping it (FSDP's
 ``no_sync``) would keep full unsharded gradients and defeat their memory saving
 (DeepSpeed refuses ``no_sync`` at stage 2/3 for that reason).
@@ -54,10 +57,9 @@ import os
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
-from . import ds_checkpoint, materialize
+from . import comm, ds_checkpoint, ext, materialize
 from .ds_config import build_optimizer, load_config
 from .lr_schedules import build_scheduler
 from .fully_sharded import FullyShardedDataParallel
@@ -65,6 +67,7 @@ from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unsca
 from .options import CPUOffload, MixedPrecision, ShardingStrategy
 from .zero1 import ZeroOneOptimizer
 
+_ALLREDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE
 _STRATEGIES = {3: (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
                2: (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)}
 
@@ -98,7 +101,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 
 class Engine(nn.Module):
-    """DeepSpeedEngine's training surface over DDP / ZeRO-1 / zeroshard FSDP (see the module docstring)."""
+    """DeepSpeedEngine's training surface over data parallelism / ZeRO-1 / zeroshard FSDP (see the module docstring)."""
 
     def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None, lr_scheduler=None,
                  training_data=None, collate_fn=None, fsdp_kwargs=None, args=None):
@@ -140,8 +143,7 @@ class Engine(nn.Module):
                 self.zero1 = ZeroOneOptimizer(opt, dist.group.WORLD if self.stage == 1 else None, master_device)
             if dtype is not None:
                 model.to(dtype)
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            wrapped = DistributedDataParallel(model, device_ids=ids) if self.stage == 0 else model
+            wrapped = model
         self.wrapped = wrapped
         self.optimizer = opt
         self._input_dtype = dtype if self.stage < 2 and (cfg.bf16 or cfg.fp16.auto_cast) else None
@@ -197,11 +199,9 @@ class Engine(nn.Module):
     @property
     def module(self) -> nn.Module:
         """The model: the user's module at stages 0/1, the root FSDP unit at stages 2/3."""
-        return self.wrapped.module if isinstance(self.wrapped, DistributedDataParallel) else self.wrapped
+        return self.wrapped
 
     def forward(self, *inputs, **kwargs):
-        if self.stage == 0:  # DDP's no_sync(), spelled as the flag it sets
-            self.wrapped.require_backward_grad_sync = self.is_gradient_accumulation_boundary()
         if self._input_dtype is not None:
             dtype = self._input_dtype
             inputs, kwargs = tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, (inputs, kwargs))
@@ -214,7 +214,42 @@ class Engine(nn.Module):
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss if self.loss_scaler is None else loss.float() * self.loss_scaler.loss_scale
         scaled.backward(retain_graph=retain_graph)
+        if self.stage == 0 and self.is_gradient_accumulation_boundary():
+            self._allreduce_gradients()
         return loss
+
+    @torch.no_grad()
+    def _allreduce_gradients(self) -> None:
+        """Stage 0 at a boundary, as DeepSpeed's ``allreduce_gradients``: a trainable
+        parameter without ``.grad`` gets zeros (a sparse one is made dense, so every
+        rank reduces the same elements), then every gradient is summed over the
+        ranks and multiplied by 1/world_size (DeepSpeed's post-scaling; the same
+        bits as DDP's pre-division when world_size is a power of 2), in flat
+        buckets of at most DeepSpeed's 5e8 elements per dtype."""
+        by_kind: dict = {}  # (dtype, device) -> gradients, in parameter order (the same on every rank)
+        for p in self.module.parameters():
+            if not p.requires_grad or p.numel() == 0:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            elif p.grad.layout != torch.strided:
+                p.grad = p.grad.to_dense()
+            by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
+        if self.world_size == 1:
+            return
+        for grads in by_kind.values():
+            start = 0
+            while start < len(grads):
+                offsets, numel, end = [], 0, start
+                while end < len(grads) and (end == start or numel + grads[end].numel() <= _ALLREDUCE_BUCKET):
+                    offsets.append(numel)
+                    numel += grads[end].numel()
+                    end += 1
+                flat = ext.flatten(grads[start:end], offsets, numel)
+                comm.all_reduce(flat, dist.group.WORLD, what="ZeRO stage 0 gradients")
+                flat.mul_(1.0 / self.world_size)
+                ext.unflatten_into(flat, offsets, grads[start:end])
+                start = end
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step (the one ``step()`` will close) ends an accumulation."""

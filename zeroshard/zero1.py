@@ -33,8 +33,8 @@ as DeepSpeed stage 0/1 do (they are replicated anyway in ZeRO-1, so deferring
 the reduction costs no memory).
 
 ``process_group=None`` means a single partition: no communication, the whole
-fp32 master on this rank. The engine uses that for stage 0 in fp16/bf16 (DDP
-all-reduces the low-precision gradients, this keeps the fp32 master weights,
+fp32 master on this rank. The engine uses that for stage 0 in fp16/bf16 (its
+all-reduce sums the low-precision gradients, this keeps the fp32 master weights,
 the role of DeepSpeed's FP16_Optimizer).
 
 Checkpoints (:meth:`state_dict`) gather each group's master and per-element
