@@ -335,8 +335,9 @@ def _missing(rank, world_size, ckpt_dir):
     engine, *_ = _engine(1)
     with pytest.warns(UserWarning, match="no 'latest' file"):
         assert engine.load_checkpoint(ckpt_dir) == (None, None)
-    with pytest.warns(UserWarning, match="does not exist"):
-        assert engine.load_checkpoint(ckpt_dir, tag="nope") == (None, None)
+    engine.save_checkpoint(ckpt_dir, tag="real")
+    with pytest.raises(ValueError, match=r"no checkpoint with tag 'nope' .*tags there: \['real'\]"):
+        engine.load_checkpoint(ckpt_dir, tag="nope")  # a typo must not train from scratch (DeepSpeed asserts too)
     with pytest.raises(ValueError, match="different tags"):
         engine.save_checkpoint(ckpt_dir, tag=f"t{rank}")
     return True
@@ -355,7 +356,7 @@ def _across_stages(rank, world_size, ckpt_dir):
     weights = ds_checkpoint.model_state_dict(saved)
     other, *_ = _engine(1, seed=1)
     before = ds_checkpoint.model_state_dict(other)
-    with pytest.raises(ValueError, match=r"is in the 'fsdp full' form \(ZeRO stage 3\), this engine needs 'zero1 flat master'"):
+    with pytest.raises(ValueError, match=r"is in the 'fsdp full' form, this engine needs 'zero1 flat master'"):
         other.load_checkpoint(ckpt_dir, "s3")
     assert _equal_nested(before, ds_checkpoint.model_state_dict(other))  # refused before changing anything
     other.load_checkpoint(ckpt_dir, "s3", load_optimizer_states=False)
@@ -369,6 +370,72 @@ def _across_stages(rank, world_size, ckpt_dir):
 
 def test_weights_load_across_stages_optimizer_state_does_not(ranks, tmp_path):
     assert all(ranks.run(2, _across_stages, str(tmp_path)))
+
+
+def _deepspeed_layout(rank, world_size, ckpt_dir):
+    """Model files in DeepSpeed's layout both ways (deepspeed/runtime/engine.py 0.19:
+    _common_checkpoint_state, client_state merged at the top level, per-rank ZeRO
+    optimizer files), and checkpoints of earlier zeroshard versions."""
+    ours, *_ = _engine(0)
+    _train(ours, rank, 2, 0)
+    with pytest.raises(ValueError, match=r"client_state keys \['module'\] are entries of the checkpoint"):
+        ours.save_checkpoint(ckpt_dir, tag="clash", client_state={"module": 1})
+    ours.save_checkpoint(ckpt_dir, tag="zs0", client_state={"epoch": 3})
+    saved = torch.load(os.path.join(ckpt_dir, "zs0", ds_checkpoint.MODEL_FILE), weights_only=False)
+    # What DeepSpeed's load_checkpoint reads from a stage-0 model file, with the client's keys beside them.
+    assert {"module", "optimizer", "lr_scheduler", "global_steps", "skipped_steps", "dp_world_size", "mp_world_size",
+            "epoch"} <= saved.keys() and saved["dp_world_size"] == world_size and saved["epoch"] == 3
+    assert saved["optimizer"]["state"] and not os.path.exists(os.path.join(ckpt_dir, "zs0", ds_checkpoint.OPTIM_FILE))
+    expected = ds_checkpoint.model_state_dict(ours), ours.optimizer.state_dict(), ours.lr_scheduler.state_dict()
+    assert ours.global_samples == 32  # 2 steps of 4 x 2 micro-batches x 2 ranks
+
+    # The same state written as DeepSpeed writes it: its own entries, the client's merged in; at stage 1/2 the
+    # optimizer in per-rank partitions that zeroshard cannot read.
+    ds = {"module": expected[0], "buffer_names": [], "optimizer": expected[1], "param_shapes": None,
+          "frozen_param_shapes": None, "shared_params": None, "frozen_param_fragments": None, "lr_scheduler": expected[2],
+          "data_sampler": None, "random_ltd": None, "skipped_steps": 0, "global_steps": 2, "global_samples": 32,
+          "dp_world_size": world_size, "mp_world_size": 1, "ds_config": {}, "ds_version": "0.19.8",
+          "checkpoint_parallel_dimensions": {"pp": 1, "tp": 1}, "epoch": 3}
+    if rank == 0:
+        for tag, optimizer in (("ds0", expected[1]), ("ds1", None)):
+            os.makedirs(os.path.join(ckpt_dir, tag))
+            torch.save({**ds, "optimizer": optimizer}, os.path.join(ckpt_dir, tag, ds_checkpoint.MODEL_FILE))
+        for r in range(world_size):
+            torch.save({"optimizer_state_dict": {}}, os.path.join(ckpt_dir, "ds1", f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt"))
+        os.makedirs(os.path.join(ckpt_dir, "ds3"))
+        torch.save({"module": {}}, os.path.join(ckpt_dir, "ds3", "zero_pp_rank_0_mp_rank_00_model_states.pt"))
+        old = {"module": expected[0], "client_state": {"epoch": 3}, "global_steps": 2, "global_samples": 32,
+               "micro_steps": 4, "skipped_steps": 0, "lr_scheduler": expected[2], "loss_scaler": None, "zero_stage": 0,
+               "world_size": world_size, "ds_config": {}}  # zeroshard's own layout before this one
+        os.makedirs(os.path.join(ckpt_dir, "old"))
+        torch.save(old, os.path.join(ckpt_dir, "old", ds_checkpoint.MODEL_FILE))
+        torch.save({"optimizer": expected[1], "format": "torch", "zero_stage": 0},
+                   os.path.join(ckpt_dir, "old", ds_checkpoint.OPTIM_FILE))
+    torch.distributed.barrier()
+
+    def restored(engine, client, with_optimizer=True):
+        return (client == {"epoch": 3} and engine.global_steps == 2 and engine.global_samples == 32
+                and _equal_nested(ds_checkpoint.model_state_dict(engine), expected[0])
+                and engine.lr_scheduler.state_dict() == expected[2]
+                and (not with_optimizer or _equal_nested(engine.optimizer.state_dict(), expected[1])))
+
+    for tag in ("zs0", "ds0", "old"):
+        fresh, *_ = _engine(0, seed=1)
+        assert restored(fresh, fresh.load_checkpoint(ckpt_dir, tag=tag)[1]), tag
+    zero1, *_ = _engine(1, seed=1)
+    with pytest.raises(ValueError, match="DeepSpeed's ZeRO partitions .* load_optimizer_states=False"):
+        zero1.load_checkpoint(ckpt_dir, tag="ds1")
+    assert restored(zero1, zero1.load_checkpoint(ckpt_dir, tag="ds1", load_optimizer_states=False)[1], False)
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3 checkpoint.*zero_to_fp32.py"):
+        zero1.load_checkpoint(ckpt_dir, tag="ds3")
+    return True
+
+
+def test_checkpoints_in_deepspeeds_layout(ranks, tmp_path):
+    """DeepSpeed reads the weights (stage 0: all) of a zeroshard checkpoint, zeroshard a
+    DeepSpeed stage 0-2 checkpoint's weights, scheduler and counters (stage 0: its
+    optimizer too), refusing its partitioned states with the route that works."""
+    assert all(ranks.run(2, _deepspeed_layout, str(tmp_path)))
 
 
 # ------------------------------------------------------------ initialize surface

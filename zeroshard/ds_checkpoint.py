@@ -1,15 +1,29 @@
-"""DeepSpeed-style checkpoint directories for the ``Engine`` (``save_checkpoint``
-/ ``load_checkpoint`` of ``deepspeed/runtime/engine.py``).
+"""DeepSpeed checkpoint directories for the ``Engine`` (``save_checkpoint`` /
+``load_checkpoint`` of ``deepspeed/runtime/engine.py``).
 
 Layout of ``save_dir``:
 
-* ``tag/mp_rank_00_model_states.pt``: the plain model's FULL state dict,
-  counters, LR scheduler, loss scaler and rank 0's ``client_state`` (rank 0
-  writes it);
-* ``tag/zero_optim_states.pt``: the optimizer state in a world-size
-  independent form: FSDP's FULL optimizer state dict at stages 2/3, ZeRO-1's
-  gathered flat states at stage 1, torch's own at stage 0;
+* ``tag/mp_rank_00_model_states.pt`` (rank 0 writes it), DeepSpeed's model
+  file: ``module`` (the plain model's FULL state dict), ``lr_scheduler``,
+  ``global_steps``, ``global_samples``, ``skipped_steps``, ``dp_world_size``,
+  ``mp_world_size``, ``ds_config``; ``optimizer``, torch's optimizer state, at
+  stage 0 without a master (DeepSpeed keeps the non-ZeRO optimizer there too,
+  else None); the user's ``client_state`` keys at the top level, as DeepSpeed
+  merges them; and zeroshard's own entries under ``zeroshard``;
+* ``tag/zero_optim_states.pt``: at the other stages the optimizer state in a
+  world-size independent form: FSDP's FULL optimizer state dict at stages 2/3,
+  ZeRO-1's gathered flat states at stage 1 and for a stage-0 fp16/bf16 master.
+  DeepSpeed writes each rank's partition instead
+  (``zero_pp_rank_R_mp_rank_00_optim_states.pt``);
 * ``latest``: the newest tag.
+
+So the two read each other's model files: DeepSpeed loads a zeroshard
+checkpoint's weights (``load_module_only=True``, or at stage 0 everything),
+and zeroshard loads a DeepSpeed stage 0-2 checkpoint's weights, scheduler and
+counters (and at stage 0 its optimizer); DeepSpeed's partitioned optimizer
+states, and a stage-3 checkpoint's partitioned weights, are refused with the
+route that works (``load_optimizer_states=False``; DeepSpeed's own
+``zero_to_fp32.py``). Checkpoints of earlier zeroshard versions still load.
 
 Every file is written atomically (``checkpoint.save``: temp file, fsync,
 rename), and ``latest`` names a tag only after every file of it is complete,
@@ -18,6 +32,7 @@ so a save killed half-way leaves the previous checkpoint loadable.
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import warnings
 
@@ -27,10 +42,18 @@ from .options import StateDictType
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = "zero_optim_states.pt"
-_COUNTERS = ("global_steps", "global_samples", "micro_steps", "skipped_steps")
+OWN = "zeroshard"  # zeroshard's own entries in the model file
+# DeepSpeed's entries of a model file (its engine's _common_checkpoint_state); the other top-level keys are
+# the client_state, which DeepSpeed merges in.
+DS_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
+    "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
+    "mp_world_size", "ds_config", "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info"})
 # What a load restores: DeepSpeed's engine does not restore micro_steps, so a
 # resumed run counts its accumulation from 0 whatever micro-step it was saved at.
 _RESTORED = ("global_steps", "global_samples", "skipped_steps")
+_DS_ZERO3_MODEL = "zero_pp_rank_*_mp_rank_*_model_states.pt"
+_DS_ZERO_OPTIM = "*_optim_states.pt"
 
 
 def _full_state(engine):
@@ -62,23 +85,38 @@ def optim_format(engine) -> str:
     return "zero1 flat master" if engine.zero1 is not None else "fsdp full" if engine.stage >= 2 else "torch"
 
 
+def _optimizer_in_model_file(engine) -> bool:
+    """Stage 0 without a master: torch's optimizer state goes where DeepSpeed's non-ZeRO engine keeps it."""
+    return engine.stage == 0 and engine.zero1 is None
+
+
 def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
     """``Engine.save_checkpoint`` (collective)."""
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
-    tags = comm.gather_objects(tag, what="save_checkpoint (comparing the tags)")
-    if len(set(tags)) > 1:
-        raise ValueError(f"zeroshard save_checkpoint: ranks passed different tags {tags}. Fix: pass the same tag on every rank.")
+    client_state = dict(client_state or {})
+    clash = sorted(map(str, set(client_state) & (DS_KEYS | {OWN})))
+    seen = comm.gather_objects((tag, clash), what="save_checkpoint (comparing the tags)")
+    if len({t for t, _ in seen}) > 1:
+        raise ValueError(f"zeroshard save_checkpoint: ranks passed different tags {[t for t, _ in seen]}. Fix: pass the "
+                         "same tag on every rank.")
+    if seen[0][1]:  # rank 0's client_state is the one stored
+        raise ValueError(f"zeroshard save_checkpoint: client_state keys {seen[0][1]} are entries of the checkpoint itself "
+                         "(client_state is merged into the model file, as DeepSpeed does). Fix: rename them.")
     path = os.path.join(os.fspath(save_dir), tag)
     model_sd, optim_sd = model_state_dict(engine), optimizer_state_dict(engine)  # collectives first, on every rank
     if engine.global_rank == 0:
         os.makedirs(path, exist_ok=True)
+        in_model_file = _optimizer_in_model_file(engine)
         checkpoint.save({
-            "module": model_sd, "client_state": dict(client_state or {}), **{k: getattr(engine, k) for k in _COUNTERS},
+            "module": model_sd, "optimizer": optim_sd if in_model_file else None,
             "lr_scheduler": engine.lr_scheduler.state_dict() if hasattr(engine.lr_scheduler, "state_dict") else None,
-            "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None,
-            "zero_stage": engine.stage, "world_size": engine.world_size, "ds_config": engine.config.raw,
+            **{k: getattr(engine, k) for k in _RESTORED}, "dp_world_size": engine.world_size, "mp_world_size": 1,
+            "ds_config": engine.config.raw,
+            OWN: {"zero_stage": engine.stage, "micro_steps": engine.micro_steps, "optimizer_format": optim_format(engine),
+                  "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None},
+            **client_state,
         }, os.path.join(path, MODEL_FILE))
-        if optim_sd is not None:
+        if optim_sd is not None and not in_model_file:
             checkpoint.save({"optimizer": optim_sd, "format": optim_format(engine), "zero_stage": engine.stage},
                             os.path.join(path, OPTIM_FILE))
     comm.barrier(what="save_checkpoint (rank 0 writing the files)")  # every file is complete before 'latest' names the tag
@@ -93,11 +131,45 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
     return True
 
 
+def _no_model_file(load_dir: str, tag: str) -> ValueError:
+    folder = os.path.join(load_dir, tag)
+    if glob.glob(os.path.join(glob.escape(folder), _DS_ZERO3_MODEL)):
+        return ValueError(f"zeroshard load_checkpoint: {folder} is a DeepSpeed ZeRO-3 checkpoint, whose weights are "
+                          "partitioned in DeepSpeed's own format. Fix: run the zero_to_fp32.py script DeepSpeed saved in "
+                          f"{load_dir} to write a full state dict, and load that into the model before zeroshard.initialize.")
+    tags = sorted(t for t in os.listdir(load_dir) if os.path.isfile(os.path.join(load_dir, t, MODEL_FILE))) \
+        if os.path.isdir(load_dir) else []
+    return ValueError(f"zeroshard load_checkpoint: no checkpoint with tag '{tag}' in {load_dir} (no {MODEL_FILE}); "
+                      f"tags there: {tags}. Fix: pass one of them, or tag=None for the one 'latest' names.")
+
+
+def _read_optimizer(engine, ckpt: dict, folder: str, saved_format):
+    """The saved optimizer state as ``(form, state)``, checked against what this engine steps."""
+    if ckpt.get("optimizer") is not None:  # stage 0's, in the model file (zeroshard or DeepSpeed)
+        form, osd = "torch", ckpt["optimizer"]
+    elif os.path.isfile(os.path.join(folder, OPTIM_FILE)):
+        optim = checkpoint.load(os.path.join(folder, OPTIM_FILE), weights_only=False)
+        form, osd = optim["format"], optim["optimizer"]
+    elif saved_format is None and glob.glob(os.path.join(glob.escape(folder), _DS_ZERO_OPTIM)):
+        raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {folder} is DeepSpeed's ZeRO partitions "
+                         "(one file per rank, in DeepSpeed's layout), which zeroshard cannot read. Fix: "
+                         "load_optimizer_states=False to load the weights, LR scheduler and counters.")
+    else:
+        raise ValueError(f"zeroshard load_checkpoint: {folder} holds no optimizer state. Fix: load_optimizer_states=False.")
+    if form != optim_format(engine):
+        raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {folder} is in the '{form}' form, this "
+                         f"engine needs '{optim_format(engine)}' (stage {engine.stage}, "
+                         f"{engine.config.low_precision_dtype or 'fp32'}). Fix: load_optimizer_states=False (weights "
+                         "only), or the stage and precision of the save.")
+    return osd
+
+
 def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
          load_lr_scheduler_states: bool = True, load_module_only: bool = False):
-    """``Engine.load_checkpoint``: ``(load_path, client_state)``, or ``(None, None)``
-    with a warning if there is no checkpoint. Everything is read and checked
-    before the engine is changed."""
+    """``Engine.load_checkpoint``: ``(load_path, client_state)``; ``(None, None)``
+    with a warning if ``tag`` is None and no ``latest`` file names one (as in
+    DeepSpeed), a ``ValueError`` if the tag has no checkpoint. Everything is
+    read and checked before the engine is changed."""
     load_dir = os.fspath(load_dir)
     if tag is None:
         latest = os.path.join(load_dir, "latest")
@@ -106,35 +178,35 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
             return None, None
         with open(latest) as f:
             tag = f.read().strip()
-    path = os.path.join(load_dir, str(tag), MODEL_FILE)
+    folder = os.path.join(load_dir, str(tag))
+    path = os.path.join(folder, MODEL_FILE)
     if not os.path.isfile(path):
-        warnings.warn(f"zeroshard load_checkpoint: {path} does not exist; nothing loaded.")
-        return None, None
+        raise _no_model_file(load_dir, str(tag))
     ckpt = checkpoint.load(path, weights_only=False)
-    optim = None
+    if OWN in ckpt:
+        own, client = ckpt[OWN], {k: v for k, v in ckpt.items() if k not in DS_KEYS and k != OWN}
+    elif "client_state" in ckpt and "zero_stage" in ckpt:  # zeroshard before DeepSpeed's layout
+        own, client = {"optimizer_format": "old", "loss_scaler": ckpt["loss_scaler"]}, ckpt["client_state"]
+    else:  # written by DeepSpeed
+        own, client = {"optimizer_format": None}, {k: v for k, v in ckpt.items() if k not in DS_KEYS}
+    osd = None
     if load_optimizer_states and not load_module_only and engine.optimizer is not None:
-        optim = checkpoint.load(os.path.join(load_dir, str(tag), OPTIM_FILE), weights_only=False)
-        if optim["format"] != optim_format(engine):
-            raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {load_dir}/{tag} is in the "
-                             f"'{optim['format']}' form (ZeRO stage {optim['zero_stage']}), this engine needs "
-                             f"'{optim_format(engine)}' (stage {engine.stage}, {engine.config.low_precision_dtype or 'fp32'}). "
-                             "Fix: load_optimizer_states=False (weights only), or the stage and precision of the save.")
+        osd = _read_optimizer(engine, ckpt, folder, own["optimizer_format"])
     with _full_state(engine):
         engine.module.load_state_dict(ckpt["module"], strict=load_module_strict)
-        if optim is not None and engine.zero1 is None:
-            osd = optim["optimizer"]
+        if osd is not None and engine.zero1 is None:
             if engine.stage >= 2:
                 osd = FullyShardedDataParallel.optim_state_dict_to_load(engine.wrapped, engine.optimizer, osd)
             engine.optimizer.load_state_dict(osd)
-    if engine.zero1 is not None and optim is not None:
-        engine.zero1.load_state_dict(optim["optimizer"])
+    if engine.zero1 is not None and osd is not None:
+        engine.zero1.load_state_dict(osd)
     elif engine.zero1 is not None:  # the fp32 master follows the loaded weights
         engine.zero1.sync_master_from_params()
     if not load_module_only:
-        if load_lr_scheduler_states and ckpt["lr_scheduler"] is not None and engine.lr_scheduler is not None:
+        if load_lr_scheduler_states and ckpt.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-        if ckpt["loss_scaler"] is not None and engine.loss_scaler is not None:
-            engine.loss_scaler.load_state_dict(ckpt["loss_scaler"])
-        for k in _RESTORED:
-            setattr(engine, k, ckpt[k])
-    return path, ckpt["client_state"]
+        if own.get("loss_scaler") is not None and engine.loss_scaler is not None:
+            engine.loss_scaler.load_state_dict(own["loss_scaler"])
+        engine.global_steps, engine.skipped_steps = ckpt["global_steps"], ckpt["skipped_steps"]
+        engine.global_samples = ckpt.get("global_samples", engine.global_steps * engine.train_batch_size())
+    return path, client

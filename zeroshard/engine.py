@@ -47,8 +47,9 @@ fp16/bf16 (stages 0/1): the model is cast and inputs' floating tensors too; an
 fp32 master lives in ``ZeroOneOptimizer`` (one partition at stage 0). Stages
 2/3: ``MixedPrecision(param, reduce, buffer dtype = fp16/bf16)`` over fp32 shards.
 
-Checkpoints (``save_checkpoint`` / ``load_checkpoint``): DeepSpeed's directory
-layout, world-size independent and written atomically; see ``ds_checkpoint``.
+Checkpoints (``save_checkpoint`` / ``load_checkpoint``): DeepSpeed's model file
+(each reads the other's weights), a world-size independent optimizer file,
+written atomically; see ``ds_checkpoint``.
 """
 from __future__ import annotations
 
