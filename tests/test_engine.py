@@ -219,6 +219,7 @@ def _overflow_sequence(rank, world_size, stage, plan):
             _inject_inf(engine, stage)
         engine.step()
         after = _snapshot(engine, opt)
+        assert engine.was_step_applied() == (kind != "inf")
         if kind == "inf":  # skipped: nothing moved, the scheduler included
             skipped_ok.append(_same(before, after) and engine.get_lr() == lr_before and sched.last_batch_iteration == it_before)
         else:
@@ -436,6 +437,29 @@ def test_checkpoints_in_deepspeeds_layout(ranks, tmp_path):
     DeepSpeed stage 0-2 checkpoint's weights, scheduler and counters (stage 0: its
     optimizer too), refusing its partitioned states with the route that works."""
     assert all(ranks.run(2, _deepspeed_layout, str(tmp_path)))
+
+
+def _accessors(rank, world_size, ckpt_dir):
+    """DeepSpeed engine methods scripts and trainers call (HF Trainer: save_16bit_model,
+    zero_optimization_stage); each raised AttributeError."""
+    engine, *_ = _engine(3, accum=2, bf16={"enabled": True})
+    assert (engine.zero_optimization_stage(), engine.fp16_enabled(), engine.bfloat16_enabled()) == (3, False, True)
+    assert engine.gradient_clipping() == 0.05 and engine.dp_world_size == world_size
+    assert engine.get_mom() == [(0.9, 0.999)] and not engine.was_step_applied()
+    for micro in range(2):  # a boundary set by hand: a step on every micro-batch instead of every 2nd
+        engine.set_gradient_accumulation_boundary(True)
+        engine.backward(engine(batch("mlp", rank, micro)).float().pow(2).mean())
+        engine.step()
+    assert engine.global_steps == 2 and engine.was_step_applied()
+    assert engine.save_16bit_model(ckpt_dir, "model.bin")
+    saved, full = torch.load(os.path.join(ckpt_dir, "model.bin")), engine.module_state_dict()
+    assert saved.keys() == full.keys() and all(v.dtype == torch.bfloat16 for v in saved.values())
+    assert all(torch.equal(saved[k], v.to(torch.bfloat16)) for k, v in full.items())
+    return True
+
+
+def test_deepspeed_engine_accessors(ranks, tmp_path):
+    assert all(ranks.run(2, _accessors, str(tmp_path)))
 
 
 # ------------------------------------------------------------ initialize surface

@@ -36,6 +36,8 @@ import glob
 import os
 import warnings
 
+import torch
+
 from . import checkpoint, comm
 from .fully_sharded import FullyShardedDataParallel
 from .options import StateDictType
@@ -128,6 +130,19 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))  # atomic, like checkpoint.save
     comm.barrier(what="save_checkpoint (rank 0 writing 'latest')")
+    return True
+
+
+def save_16bit(engine, save_dir, save_filename: str) -> bool:
+    """``Engine.save_16bit_model`` (collective): rank 0 writes the full state dict atomically."""
+    dtype = engine.config.low_precision_dtype
+    sd = model_state_dict(engine)
+    if engine.global_rank == 0:
+        if dtype is not None:
+            sd = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in sd.items()}
+        os.makedirs(os.fspath(save_dir), exist_ok=True)
+        checkpoint.save(sd, os.path.join(os.fspath(save_dir), save_filename))
+    comm.barrier(what="save_16bit_model (rank 0 writing the file)")
     return True
 
 

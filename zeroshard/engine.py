@@ -114,6 +114,8 @@ class Engine(nn.Module):
         self.device = _device(model, self.local_rank)
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self._global_grad_norm = None
+        self._step_applied, self._boundary = False, None  # the last boundary's step taken; a set boundary
+        self.dp_world_size = self.world_size
         self.zero1: ZeroOneOptimizer | None = None
         if optimizer is not None and cfg.optimizer is not None:
             raise ValueError("zeroshard.initialize: both optimizer= and a config 'optimizer' section were given. "
@@ -254,7 +256,14 @@ class Engine(nn.Module):
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step (the one ``step()`` will close) ends an accumulation."""
+        if self._boundary is not None:
+            return self._boundary
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """Overrides the boundary (DeepSpeed's, for loops whose accumulation length varies):
+        set it before each micro-step's forward/backward, True on the last one."""
+        self._boundary = bool(is_boundary)
 
     def step(self, lr_kwargs=None) -> None:
         """At an accumulation boundary: the optimizer step, then ``lr_scheduler.step(**lr_kwargs)``."""
@@ -278,7 +287,8 @@ class Engine(nn.Module):
             self.loss_scaler.update_scale(overflow)
         if overflow:
             self.skipped_steps += 1
-        else:
+        self._step_applied = not overflow
+        if not overflow:
             if self.config.gradient_clipping > 0:
                 self._global_grad_norm = self._clip(self.config.gradient_clipping)
             (self.zero1 or self.optimizer).step()
@@ -318,6 +328,36 @@ class Engine(nn.Module):
 
     def get_global_grad_norm(self):
         return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        """Whether the last boundary's optimizer step ran (False after an fp16 overflow skipped it)."""
+        return self._step_applied
+
+    def get_mom(self) -> list:
+        """Each param group's momentum (SGD, RMSprop) or betas (Adam family), as DeepSpeed's."""
+        key = "momentum" if isinstance(self.optimizer, (torch.optim.SGD, torch.optim.RMSprop)) else "betas"
+        return [g[key] for g in self.optimizer.param_groups]
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def module_state_dict(self) -> dict:
+        """The plain model's full state dict (collective at stages 2/3)."""
+        return ds_checkpoint.model_state_dict(self)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "pytorch_model.bin") -> bool:
+        """Rank 0 saves the plain model's full state dict, floating tensors in the
+        config's fp16/bf16 (as they are in fp32 training), as DeepSpeed's (collective)."""
+        return ds_checkpoint.save_16bit(self, save_dir, save_filename)
 
     def __getattr__(self, name: str):
         try:
