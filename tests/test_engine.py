@@ -481,6 +481,8 @@ def _surface(rank, world_size):
         engine.backward(engine(x).pow(2).mean())
         engine.step()
     assert engine.global_steps == 32 // 16 and engine.get_lr() == [1e-2 * 0.25] * 2
+    # no gradient_clipping key: DeepSpeed's default, 1.0 (zeroshard's was 0, no clipping)
+    assert engine.gradient_clipping() == 1.0 and engine.get_global_grad_norm() is not None
     return [p.detach().clone() for p in model.parameters()]
 
 
@@ -586,7 +588,7 @@ def _unused_head(rank, world_size, stage):
     trainable parameter without gradient zeros before the all-reduce, so every
     rank reduces the same elements and AdamW still moves it (momentum, decay):
     reproduced here by hand on a plain replica, with DeepSpeed's sum then x 1/N."""
-    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage}, "gradient_clipping": 0.0,
            "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": WD}}}
     engine, *_ = initialize(model=_TwoHeads(), config=cfg)
     ref = _TwoHeads()

@@ -8,7 +8,8 @@ Honored keys:
   ``gradient_accumulation_steps``: train_batch = micro x accumulation x world
   size; any two determine the third (as DeepSpeed), one of the first two alone
   implies accumulation 1; values that do not fit raise naming all three.
-* ``gradient_clipping`` (0 = off): global L2 norm, after unscaling.
+* ``gradient_clipping`` (0 = off; absent = 1.0, DeepSpeed's default): global
+  L2 norm, after unscaling.
 * ``optimizer`` {type Adam | AdamW | SGD, params}. As in DeepSpeed, ``Adam``
   is AdamW (decoupled weight decay) unless ``"adam_w_mode": false``, and the
   default ``weight_decay`` is 0 (FusedAdam's), not torch AdamW's 0.01, unless
@@ -118,7 +119,7 @@ class DeepSpeedConfig:
     train_batch_size: int
     train_micro_batch_size_per_gpu: int
     gradient_accumulation_steps: int
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0  # DeepSpeed's GRADIENT_CLIPPING_DEFAULT
     optimizer: dict | None = None  # {"type": "adam"|"sgd", "adamw": bool, "params": {...}}
     scheduler: dict | None = None  # {"type": "WarmupLR"|"WarmupDecayLR", "params": {...}}
     fp16: FP16Config = field(default_factory=FP16Config)
@@ -142,7 +143,7 @@ def load_config(config, world_size: int) -> DeepSpeedConfig:
     unknown = [k for k in config if k not in TOP_KEYS]
     micro, accum, train = _batch_sizes(config, world_size)
     cfg = DeepSpeedConfig(train, micro, accum, raw=dict(config))
-    cfg.gradient_clipping = _number("gradient_clipping", config.get("gradient_clipping", 0.0))
+    cfg.gradient_clipping = _number("gradient_clipping", config.get("gradient_clipping", 1.0))
     if config.get("optimizer") is not None:
         cfg.optimizer = _optimizer(_section("optimizer", config["optimizer"]), unknown)
     if config.get("scheduler") is not None:
