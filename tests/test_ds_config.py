@@ -211,15 +211,22 @@ def _trajectory(scaler, overflows):
 
 def test_dynamic_loss_scaler_rules():
     F, T = False, True
-    # window 3: doubles after 3 clean steps, counted again from the last overflow
-    assert _trajectory(DynamicLossScaler(8, scale_window=3, hysteresis=1), [F, F, F, T, F, F, F]) == [8, 8, 16, 8, 8, 8, 16]
+    # window 3, as DeepSpeed 0.19's update_scale: the clean steps since the start or the last overflow,
+    # less the first, reach 3 (was 3 clean steps, DeepSpeed's older rule: [8, 8, 16, ...])
+    assert _trajectory(DynamicLossScaler(8, scale_window=3, hysteresis=1),
+                       [F, F, F, F, T, F, F, F, F]) == [8, 8, 8, 16, 8, 8, 8, 8, 16]
     # hysteresis 3: the third overflow halves; later ones halve at once until a growth refills it
     assert _trajectory(DynamicLossScaler(64, scale_window=100, hysteresis=3), [T, T, T, T, F]) == [64, 64, 32, 16, 16]
     # a clean step between overflows refills only with consecutive_hysteresis
     assert _trajectory(DynamicLossScaler(64, scale_window=100, hysteresis=2), [T, F, T]) == [64, 64, 32]
     assert _trajectory(DynamicLossScaler(64, scale_window=100, hysteresis=2, consecutive_hysteresis=True), [T, F, T]) == [64, 64, 64]
-    # never below min_loss_scale
-    assert _trajectory(DynamicLossScaler(4, scale_window=100, min_scale=2, hysteresis=1), [T, T, T]) == [2, 2, 2]
+    # never below min_loss_scale; an overflow there stops the run, as DeepSpeed's raise_error_at_min_scale
+    floor = DynamicLossScaler(4, scale_window=100, min_scale=2, hysteresis=1)
+    assert _trajectory(floor, [T]) == [2]
+    with pytest.raises(RuntimeError, match=r"overflowed .* again at the minimum loss scale 2 \(fp16.min_loss_scale\)"):
+        floor.update_scale(True)
+    assert _trajectory(DynamicLossScaler(4, scale_window=100, min_scale=2, hysteresis=1, raise_error_at_min_scale=False),
+                       [T, T, T]) == [2, 2, 2]
     assert _trajectory(StaticLossScaler(128), [T, F, T]) == [128, 128, 128]
     a = DynamicLossScaler(8, scale_window=3)
     _trajectory(a, [T, F])

@@ -226,22 +226,30 @@ def _overflow_sequence(rank, world_size, stage, plan):
             skipped_ok.append(not _same(before, after) and sched.last_batch_iteration == it_before + 1)
         assert all(p.grad is None for p in engine.module.parameters())
         scales.append(engine.loss_scaler.loss_scale)
-    return {"scales": scales, "ok": skipped_ok, "skipped": engine.skipped_steps, "global_steps": engine.global_steps}
+    out = {"scales": scales, "ok": skipped_ok, "skipped": engine.skipped_steps, "global_steps": engine.global_steps}
+    engine.backward(engine(batch("mlp", rank, len(plan))).float().pow(2).mean())
+    if rank == 1:
+        _inject_inf(engine, stage)
+    with pytest.raises(RuntimeError) as floor:  # on every rank: the overflow flag is all-reduced
+        engine.step()
+    return {**out, "floor": str(floor.value)}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_overflow_on_one_rank_skips_the_step_on_all(ranks, stage):
     """fp16, dynamic scale 2**10, window 2, hysteresis 2, min 512; an inf
-    gradient on rank 1 only. Expected scales, by DeepSpeed's rules: two clean
-    steps double it; the first overflow spends the hysteresis, the second
-    halves; two clean steps double again and refill; the floor holds at 512."""
-    plan = ["ok", "ok", "inf", "inf", "ok", "ok", "inf", "inf", "inf", "inf"]
-    expected = [1024, 2048, 2048, 1024, 1024, 2048, 2048, 1024, 512, 512]
+    gradient on rank 1 only. Expected scales, by DeepSpeed 0.19's rules: three
+    clean steps double it (the first is not counted); the first overflow spends
+    the hysteresis, the second halves; three clean steps double again and refill;
+    the next three overflows reach the floor, and one more there stops the run."""
+    plan = ["ok", "ok", "ok", "inf", "inf", "ok", "ok", "ok", "inf", "inf", "inf"]
+    expected = [1024, 1024, 2048, 2048, 1024, 1024, 1024, 2048, 2048, 1024, 512]
     results = ranks.run(2, _overflow_sequence, stage, plan)
     for r in results:
         assert r["scales"] == expected, r
         assert all(r["ok"]), r
         assert r["skipped"] == plan.count("inf") and r["global_steps"] == len(plan)
+        assert "again at the minimum loss scale 512" in r["floor"], r
 
 
 def _lr_kwargs(rank, world_size):

@@ -19,16 +19,15 @@ Too large an S overflows instead. DeepSpeed's ``DynamicLossScaler``
   while another skips would desynchronize the replicas), leaving parameters,
   optimizer state and the LR scheduler untouched;
 * hysteresis: the first ``hysteresis - 1`` overflows only use up tolerance;
-  the overflow after that halves S, never below ``min_loss_scale``;
-* after ``loss_scale_window`` consecutive clean steps S doubles and (unless
-  ``consecutive_hysteresis``) the tolerance refills; with
-  ``consecutive_hysteresis`` every clean step refills it.
-
-Two deliberate differences from DeepSpeed: an overflow at ``min_loss_scale``
-keeps skipping at that scale instead of raising (DeepSpeed's
-``raise_error_at_min_scale``), and growth uses the long-standing rule
-``(iteration - last_overflow) % window == 0`` (S doubles after exactly
-``window`` clean steps); recent DeepSpeed versions wait one step longer.
+  the overflow after that halves S, never below ``min_loss_scale``; one more
+  at ``min_loss_scale`` raises (DeepSpeed's ``raise_error_at_min_scale``: the
+  run has diverged, and skipping every step would only hide it);
+* S doubles (and, unless ``consecutive_hysteresis``, the tolerance refills)
+  when the clean steps since the last overflow (or the start), not counting
+  the first, reach a multiple of ``loss_scale_window``: after window + 1 clean
+  steps, then every window; with ``consecutive_hysteresis`` every clean step
+  refills the tolerance. (DeepSpeed's older rule doubled after window steps;
+  zeroshard followed it until a side-by-side run with DeepSpeed 0.19.8.)
 
 A static scale (``loss_scale > 0``) never changes, but a step with inf/nan
 gradients is still skipped, as DeepSpeed's ZeRO optimizers do.
@@ -73,7 +72,8 @@ class DynamicLossScaler(StaticLossScaler):
     dynamic = True
 
     def __init__(self, init_scale: float = 2.0**16, scale_window: int = 1000, min_scale: float = 1.0,
-                 hysteresis: int = 2, consecutive_hysteresis: bool = False, scale_factor: float = 2.0):
+                 hysteresis: int = 2, consecutive_hysteresis: bool = False, scale_factor: float = 2.0,
+                 raise_error_at_min_scale: bool = True):
         super().__init__(init_scale)
         self.scale_window = scale_window
         self.min_scale = float(min_scale)
@@ -81,6 +81,7 @@ class DynamicLossScaler(StaticLossScaler):
         self.cur_hysteresis = hysteresis
         self.consecutive_hysteresis = consecutive_hysteresis
         self.scale_factor = scale_factor
+        self.raise_error_at_min_scale = raise_error_at_min_scale
         self.cur_iter = 0
         self.last_overflow_iter = -1
 
@@ -88,6 +89,12 @@ class DynamicLossScaler(StaticLossScaler):
         """Call once per optimizer step (taken or skipped) with that step's overflow flag."""
         if overflow:
             if self.delayed_shift == 1 or self.cur_hysteresis == 1:
+                if self.cur_scale == self.min_scale and self.raise_error_at_min_scale:
+                    raise RuntimeError(
+                        f"zeroshard fp16 loss scaling: the gradients overflowed (inf/nan) again at the minimum loss "
+                        f"scale {self.min_scale:g} (fp16.min_loss_scale): the scale cannot go lower, so the run has "
+                        "diverged or that floor is too high. Fix: lower fp16.min_loss_scale or the learning rate, or "
+                        "train in bf16 (DeepSpeed stops here too).")
                 self.cur_scale = max(self.cur_scale / self.scale_factor, self.min_scale)
             else:
                 self.cur_hysteresis -= 1
@@ -95,7 +102,8 @@ class DynamicLossScaler(StaticLossScaler):
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.delayed_shift
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            stable = self.cur_iter - self.last_overflow_iter - 1  # clean steps since, less the first
+            if stable > 0 and stable % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.delayed_shift
                 self.cur_scale *= self.scale_factor
