@@ -51,6 +51,10 @@ def _engine(stage, seed=0, **cfg):
 
 
 def _reference(stage, model, fp16=False):
+    if fp16:  # the engine, as DeepSpeed, starts its fp32 master from the fp16-rounded weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.half())
     if stage < 2:
         return DistributedDataParallel(model)
     strategy = tfsdp.ShardingStrategy.FULL_SHARD if stage == 3 else tfsdp.ShardingStrategy.SHARD_GRAD_OP
@@ -454,6 +458,9 @@ def _accessors(rank, world_size, ckpt_dir):
     assert (engine.zero_optimization_stage(), engine.fp16_enabled(), engine.bfloat16_enabled()) == (3, False, True)
     assert engine.gradient_clipping() == 0.05 and engine.dp_world_size == world_size
     assert engine.get_mom() == [(0.9, 0.999)] and not engine.was_step_applied()
+    # as DeepSpeed (which casts the model before its fp32 master copies it), training starts from the bf16 values
+    start, init = engine.module_state_dict(), build("mlp", seed=0).state_dict()
+    assert start.keys() == init.keys() and all(torch.equal(start[k], v.bfloat16().float()) for k, v in init.items())
     for micro in range(2):  # a boundary set by hand: a step on every micro-batch instead of every 2nd
         engine.set_gradient_accumulation_boundary(True)
         engine.backward(engine(batch("mlp", rank, micro)).float().pow(2).mean())

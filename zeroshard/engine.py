@@ -129,6 +129,11 @@ class Engine(nn.Module):
         # Every stage keeps the original parameter objects, so the optimizer is
         # built over them before wrapping.
         groups = _param_groups(model, model_parameters)
+        if dtype is not None:  # DeepSpeed casts the model before its fp32 master copies it, so the master
+            with torch.no_grad():  # starts from the fp16/bf16 values: so does ours, and stage 2/3's fp32 shards
+                for p in model.parameters():
+                    if p.is_floating_point():
+                        p.copy_(p.to(dtype))
         if self.stage < 2:
             model.to(self.device)
             materialize.sync_module_states(model, lambda m: False, [dist.group.WORLD])  # rank 0's weights
