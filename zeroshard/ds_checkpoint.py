@@ -55,7 +55,7 @@ DS_KEYS = frozenset({
 # resumed run counts its accumulation from 0 whatever micro-step it was saved at.
 _RESTORED = ("global_steps", "global_samples", "skipped_steps")
 _DS_ZERO3_MODEL = "zero_pp_rank_*_mp_rank_*_model_states.pt"
-_DS_ZERO_OPTIM = "*_optim_states.pt"
+_DS_ZERO_OPTIM = "*zero_pp_rank_*_optim_states.pt"  # bf16_zero_pp_rank_... too
 
 
 def _full_state(engine):
@@ -159,7 +159,8 @@ def _no_model_file(load_dir: str, tag: str) -> ValueError:
 
 
 def _read_optimizer(engine, ckpt: dict, folder: str, saved_format):
-    """The saved optimizer state as ``(form, state)``, checked against what this engine steps."""
+    """The saved optimizer state, checked to be in the form this engine steps
+    (``saved_format`` None: the checkpoint was written by DeepSpeed)."""
     if ckpt.get("optimizer") is not None:  # stage 0's, in the model file (zeroshard or DeepSpeed)
         form, osd = "torch", ckpt["optimizer"]
     elif os.path.isfile(os.path.join(folder, OPTIM_FILE)):
