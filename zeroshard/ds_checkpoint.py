@@ -114,7 +114,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
             "lr_scheduler": engine.lr_scheduler.state_dict() if hasattr(engine.lr_scheduler, "state_dict") else None,
             **{k: getattr(engine, k) for k in _RESTORED}, "dp_world_size": engine.world_size, "mp_world_size": 1,
             "ds_config": engine.config.raw,
-            OWN: {"zero_stage": engine.stage, "micro_steps": engine.micro_steps, "optimizer_format": optim_format(engine),
+            OWN: {"zero_stage": engine.stage, "micro_steps": engine.micro_steps,
                   "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None},
             **client_state,
         }, os.path.join(path, MODEL_FILE))
@@ -158,15 +158,14 @@ def _no_model_file(load_dir: str, tag: str) -> ValueError:
                       f"tags there: {tags}. Fix: pass one of them, or tag=None for the one 'latest' names.")
 
 
-def _read_optimizer(engine, ckpt: dict, folder: str, saved_format):
-    """The saved optimizer state, checked to be in the form this engine steps
-    (``saved_format`` None: the checkpoint was written by DeepSpeed)."""
+def _read_optimizer(engine, ckpt: dict, folder: str, by_deepspeed: bool):
+    """The saved optimizer state, checked to be in the form this engine steps."""
     if ckpt.get("optimizer") is not None:  # stage 0's, in the model file (zeroshard or DeepSpeed)
         form, osd = "torch", ckpt["optimizer"]
     elif os.path.isfile(os.path.join(folder, OPTIM_FILE)):
         optim = checkpoint.load(os.path.join(folder, OPTIM_FILE), weights_only=False)
         form, osd = optim["format"], optim["optimizer"]
-    elif saved_format is None and glob.glob(os.path.join(glob.escape(folder), _DS_ZERO_OPTIM)):
+    elif by_deepspeed and glob.glob(os.path.join(glob.escape(folder), _DS_ZERO_OPTIM)):
         raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {folder} is DeepSpeed's ZeRO partitions "
                          "(one file per rank, in DeepSpeed's layout), which zeroshard cannot read. Fix: "
                          "load_optimizer_states=False to load the weights, LR scheduler and counters.")
@@ -199,15 +198,15 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
     if not os.path.isfile(path):
         raise _no_model_file(load_dir, str(tag))
     ckpt = checkpoint.load(path, weights_only=False)
-    if OWN in ckpt:
-        own, client = ckpt[OWN], {k: v for k, v in ckpt.items() if k not in DS_KEYS and k != OWN}
-    elif "client_state" in ckpt and "zero_stage" in ckpt:  # zeroshard before DeepSpeed's layout
-        own, client = {"optimizer_format": "old", "loss_scaler": ckpt["loss_scaler"]}, ckpt["client_state"]
-    else:  # written by DeepSpeed
-        own, client = {"optimizer_format": None}, {k: v for k, v in ckpt.items() if k not in DS_KEYS}
+    legacy = OWN not in ckpt and "client_state" in ckpt and "zero_stage" in ckpt  # zeroshard before DeepSpeed's layout
+    by_deepspeed = OWN not in ckpt and not legacy
+    if legacy:
+        own, client = {"loss_scaler": ckpt["loss_scaler"]}, ckpt["client_state"]
+    else:
+        own, client = ckpt.get(OWN, {}), {k: v for k, v in ckpt.items() if k not in DS_KEYS and k != OWN}
     osd = None
     if load_optimizer_states and not load_module_only and engine.optimizer is not None:
-        osd = _read_optimizer(engine, ckpt, folder, own["optimizer_format"])
+        osd = _read_optimizer(engine, ckpt, folder, by_deepspeed)
     with _full_state(engine):
         engine.module.load_state_dict(ckpt["module"], strict=load_module_strict)
         if osd is not None and engine.zero1 is None:

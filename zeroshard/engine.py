@@ -290,10 +290,10 @@ class Engine(nn.Module):
             if not overflow:
                 unscale_(grads, self.loss_scaler.loss_scale)
             self.loss_scaler.update_scale(overflow)
+        self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
-        self._step_applied = not overflow
-        if not overflow:
+        else:
             if self.config.gradient_clipping > 0:
                 self._global_grad_norm = self._clip(self.config.gradient_clipping)
             (self.zero1 or self.optimizer).step()
