@@ -286,19 +286,23 @@ std::optional<std::vector<at::Tensor>> unflatten(const at::Tensor& flat,
 
 // --- Python bindings -------------------------------------------------------
 // Arguments are unpacked by hand while holding the GIL (borrowed tensor
-// pointers pinned by the sequence object); the copy itself runs without it.
+// pointers pinned by a tuple); the copy itself runs without it.
 
 struct PyTensors {
-  py::object pin;  // owns a reference to every tensor in `ptrs`
+  py::object pin;  // a tuple: owns a reference to every tensor in `ptrs`
   Tensors ptrs;
 };
 
 PyTensors unpack_tensors(py::handle seq, const char* what) {
-  // A list or tuple comes back as itself (no copy), anything else as a list.
-  PyTensors out{py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), "expected a sequence")), {}};
+  // A tuple comes back as itself, anything else (a list) as a new tuple. Not
+  // PySequence_Fast, which returns a list as itself: with the GIL released,
+  // another thread's lst.clear() would free tensors mid-copy (a segfault on
+  // unmapped memory). The tuple costs an incref per tensor, on the cache line
+  // the type check below reads anyway.
+  PyTensors out{py::reinterpret_steal<py::object>(PySequence_Tuple(seq.ptr())), {}};
   if (!out.pin) throw py::error_already_set();
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(out.pin.ptr());
-  PyObject** items = PySequence_Fast_ITEMS(out.pin.ptr());
+  const Py_ssize_t n = PyTuple_GET_SIZE(out.pin.ptr());
+  PyObject** items = PySequence_Fast_ITEMS(out.pin.ptr());  // a tuple's items
   out.ptrs.reserve(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
     if (!THPVariable_Check(items[i])) {

@@ -502,3 +502,42 @@ def test_long_unflatten_into_inference_tensors(four_threads):
     with pytest.raises(RuntimeError, match="Inplace update to inference tensor"):
         run("ext", ext.unflatten_into, torch.zeros(total), offsets, tensors)
     assert all(torch.equal(t, src[o : o + t.numel()]) for t, o in zip(tensors, offsets))
+
+
+RACE = """
+import sys, threading, time, torch
+from zeroshard import ext
+torch.set_num_threads(1)
+n = 16 << 20  # 64 MB of fp32 a tensor: mmap'd by malloc, so unmapped when freed
+flat = torch.ones(4 * n)
+for call in ("unflatten_into", "flatten_into") * 2:
+    tensors = [torch.zeros(n) for _ in range(4)]  # the list holds the only references
+    offsets = [i * n for i in range(4)]
+    released = threading.Event()
+    def clear():
+        released.wait(); time.sleep(0.003); tensors.clear()
+    thread = threading.Thread(target=clear); thread.start()
+    released.set()  # the copy below releases the GIL for ~50 ms
+    if call == "unflatten_into":
+        ext.unflatten_into(flat, offsets, tensors)
+    else:
+        ext.flatten_into(tensors, offsets, flat)
+    thread.join()
+    assert not tensors, "the other thread did not run during the copy"
+print("ok")
+"""
+
+
+@needs_ext
+def test_one_shot_calls_own_their_tensors_while_the_gil_is_released():
+    """The copy runs without the GIL, so another thread may empty the caller's list
+    meanwhile. The extension must hold its own references: borrowing the list's
+    items (as it once did) let lst.clear() free 64 MB tensors mid-copy, and the
+    copy segfaulted on unmapped memory in the first round."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "ZEROSHARD_DISABLE_EXT"}
+    proc = subprocess.run([sys.executable, "-c", RACE], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
