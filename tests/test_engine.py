@@ -630,3 +630,55 @@ def test_parameters_without_gradient_train_as_in_deepspeed(ranks, stage):
     finished reduction in the prior iteration') after reducing only some buckets."""
     for same in ranks.run(2, _unused_head, stage):
         assert all(same.values()), same
+
+
+# ------------------------------------------------------------ no_sync
+def _no_sync(rank, world_size, stage):
+    """engine.no_sync() against DDP's: the first backward (at a boundary, accumulation
+    1) stays local, the second one's reduction covers both, as DeepSpeed's."""
+    ref = DistributedDataParallel(build("mlp"))
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    sched_ref = WarmupLR(opt_ref, **SCHED)
+    engine, *_ = _engine(stage, accum=1, clip=0.0)
+    with zs.comm_stats() as stats:
+        for step in range(2):
+            xs = [batch("mlp", rank, 2 * step + k) for k in (0, 1)]
+            with ref.no_sync():
+                ref(xs[0]).pow(2).mean().backward()
+            ref(xs[1]).pow(2).mean().backward()
+            opt_ref.step()
+            sched_ref.step()
+            opt_ref.zero_grad()
+            with engine.no_sync():
+                assert engine.is_gradient_accumulation_boundary()
+                engine.backward(engine(xs[0]).pow(2).mean())
+                assert not stats.calls, "no communication inside no_sync"
+                with pytest.raises(RuntimeError, match="step\\(\\) inside no_sync"):
+                    engine.step()
+                with pytest.raises(RuntimeError, match="entered again"):
+                    with engine.no_sync():
+                        pass
+            engine.backward(engine(xs[1]).pow(2).mean())
+            engine.step()
+            stats.calls.clear()
+    assert engine.global_steps == 2
+    return all(torch.equal(a, b) for a, b in zip(ref.parameters(), engine.module.parameters()))
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_no_sync_accumulates_locally_as_ddp(ranks, stage):
+    """2 ranks: stage 0 sums then halves (DDP halves then sums: the same bits for
+    N = 2); ZeRO-1 equals DDP without clipping (see the module docstring)."""
+    assert all(ranks.run(2, _no_sync, stage))
+
+
+def _no_sync_sharded(rank, world_size):
+    engine, *_ = _engine(2)
+    with pytest.raises(ValueError, match="no_sync\\(\\) at ZeRO stage 2.*Fix"):
+        with engine.no_sync():
+            pass
+    return True
+
+
+def test_no_sync_is_refused_with_sharded_gradients(ranks):
+    assert all(ranks.run(2, _no_sync_sharded))

@@ -132,6 +132,39 @@ class DeepSpeedConfig:
         return torch.float16 if self.fp16.enabled else torch.bfloat16 if self.bf16 else None
 
 
+class ConfigGetters:
+    """DeepSpeedEngine's getters of its config (mixed into ``engine.Engine``, whose
+    ``config`` is a :class:`DeepSpeedConfig`)."""
+
+    config: DeepSpeedConfig
+
+    def train_batch_size(self) -> int:
+        return self.config.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.config.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.config.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.config.zero.stage
+
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16.enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def loss_scale(self) -> float:
+        """The config's static fp16 loss scale, 0 for dynamic (DeepSpeed's; the
+        running scale is ``engine.loss_scaler.loss_scale``)."""
+        return self.config.fp16.loss_scale
+
+
 def load_config(config, world_size: int) -> DeepSpeedConfig:
     """Parse a config dict or a JSON file path and validate it for ``world_size`` ranks."""
     if isinstance(config, (str, os.PathLike)):

@@ -53,6 +53,7 @@ written atomically; see ``ds_checkpoint``.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -61,7 +62,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_map
 
 from . import comm, ds_checkpoint, ext, materialize
-from .ds_config import build_optimizer, load_config
+from .ds_config import ConfigGetters, build_optimizer, load_config
 from .lr_schedules import build_scheduler
 from .fully_sharded import FullyShardedDataParallel
 from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
@@ -101,7 +102,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler
 
 
-class Engine(nn.Module):
+class Engine(ConfigGetters, nn.Module):
     """DeepSpeedEngine's training surface over data parallelism / ZeRO-1 / zeroshard FSDP (see the module docstring)."""
 
     def __init__(self, model: nn.Module, config, optimizer=None, model_parameters=None, lr_scheduler=None,
@@ -115,6 +116,7 @@ class Engine(nn.Module):
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self._global_grad_norm = None
         self._step_applied, self._boundary = False, None  # the last boundary's step taken; a set boundary
+        self._no_sync = False
         self.dp_world_size = self.world_size
         self.zero1: ZeroOneOptimizer | None = None
         if optimizer is not None and cfg.optimizer is not None:
@@ -222,9 +224,27 @@ class Engine(nn.Module):
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss if self.loss_scaler is None else loss.float() * self.loss_scaler.loss_scale
         scaled.backward(retain_graph=retain_graph)
-        if self.stage == 0 and self.is_gradient_accumulation_boundary():
+        if self.stage == 0 and self.is_gradient_accumulation_boundary() and not self._no_sync:
             self._allreduce_gradients()
         return loss
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """DeepSpeed's: a ``backward`` inside communicates nothing, even at a boundary;
+        the gradients accumulate locally until the next boundary's ``backward`` outside
+        (stage 0) or ``step()`` (ZeRO-1) reduces them all. ``step()`` inside raises.
+        Stages 0/1 only: at 2/3 every backward reduce-scatters into the sharded gradient."""
+        if self.stage >= 2:
+            raise ValueError(f"zeroshard engine: no_sync() at ZeRO stage {self.stage}, whose gradients are sharded as "
+                             "they are produced (DeepSpeed refuses it too). Fix: accumulate with "
+                             "gradient_accumulation_steps, or use stage 0 or 1.")
+        if self._no_sync:
+            raise RuntimeError("zeroshard engine: no_sync() entered again inside no_sync(). Fix: use one no_sync block.")
+        self._no_sync = True
+        try:
+            yield
+        finally:
+            self._no_sync = False
 
     @torch.no_grad()
     def _allreduce_gradients(self) -> None:
@@ -272,6 +292,10 @@ class Engine(nn.Module):
 
     def step(self, lr_kwargs=None) -> None:
         """At an accumulation boundary: the optimizer step, then ``lr_scheduler.step(**lr_kwargs)``."""
+        if self._no_sync:
+            raise RuntimeError("zeroshard engine: step() inside no_sync(), whose gradients are not reduced yet. "
+                               "Fix: call step() after the block (at stage 0 after a backward outside it, "
+                               "which reduces them).")
         if self.is_gradient_accumulation_boundary():
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
@@ -319,15 +343,6 @@ class Engine(nn.Module):
             self.module.zero_grad(set_to_none=True)
 
     # ------------------------------------------------------------ accessors
-    def train_batch_size(self) -> int:
-        return self.config.train_batch_size
-
-    def train_micro_batch_size_per_gpu(self) -> int:
-        return self.config.train_micro_batch_size_per_gpu
-
-    def gradient_accumulation_steps(self) -> int:
-        return self.config.gradient_accumulation_steps
-
     def get_lr(self) -> list[float]:
         return [g["lr"] for g in self.optimizer.param_groups]
 
@@ -342,18 +357,6 @@ class Engine(nn.Module):
         """Each param group's momentum (SGD, RMSprop) or betas (Adam family), as DeepSpeed's."""
         key = "momentum" if isinstance(self.optimizer, (torch.optim.SGD, torch.optim.RMSprop)) else "betas"
         return [g[key] for g in self.optimizer.param_groups]
-
-    def zero_optimization_stage(self) -> int:
-        return self.stage
-
-    def fp16_enabled(self) -> bool:
-        return self.config.fp16.enabled
-
-    def bfloat16_enabled(self) -> bool:
-        return self.config.bf16
-
-    def gradient_clipping(self) -> float:
-        return self.config.gradient_clipping
 
     def module_state_dict(self) -> dict:
         """The plain model's full state dict (collective at stages 2/3)."""
