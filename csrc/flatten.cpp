@@ -12,6 +12,9 @@
 // for a fixed list of tensors (CopyPlan).
 #include "copy_cpu.h"
 
+#include <ATen/MemoryOverlap.h>
+#include <c10/core/impl/COW.h>
+
 #include <algorithm>
 #include <cstring>
 #include <exception>
@@ -28,7 +31,7 @@ std::vector<int64_t> payload_prefix(const std::vector<Seg>& segs) {
 
 void copy_runs(const std::vector<Seg>& segs, const at::Tensor& flat, bool to_flat) {
   if (segs.empty()) return;
-  char* base = static_cast<char*>(flat.data_ptr());
+  char* base = flat_bytes(flat, to_flat);
   if (flat.device().is_cpu()) return copy_runs_cpu(segs, payload_prefix(segs), base, to_flat);
 #ifdef ZEROSHARD_WITH_CUDA
   copy_runs_cuda(segs, base, to_flat, flat.device());
@@ -37,10 +40,15 @@ void copy_runs(const std::vector<Seg>& segs, const at::Tensor& flat, bool to_fla
 #endif
 }
 
+bool no_version_counter(const at::Tensor& t) {
+  return !t.unsafeGetTensorImpl()->version_counter().enabled();
+}
+
 void check_flat(const at::Tensor& flat) {
-  ZS_CHECK_VALUE(flat.layout() == at::kStrided && flat.dim() == 1 && flat.is_contiguous(),
+  const bool strided = flat.layout() == at::kStrided;
+  ZS_CHECK_VALUE(strided && flat.dim() == 1 && flat.is_contiguous(),
                  "zeroshard: flat must be a 1-D contiguous tensor, got sizes ", flat.sizes(),
-                 " strides ", flat.strides());
+                 " strides ", strided ? piece(flat.strides()) : std::string("None"));
 }
 
 namespace {
@@ -48,8 +56,8 @@ namespace {
 // check_and_collect over members [b, e), appending to `out`. Returns false,
 // before any check, if one of them is not plain.
 bool check_range(const char* what, const std::vector<const at::Tensor*>& members,
-                 const std::vector<int64_t>& offsets, const at::Tensor& flat, size_t b, size_t e,
-                 Checked& out) {
+                 const std::vector<int64_t>& offsets, const at::Tensor& flat, bool writable, size_t b,
+                 size_t e, Checked& out) {
   for (size_t i = b; i < e; ++i) {
     if (!is_plain(*members[i])) return false;
   }
@@ -59,6 +67,7 @@ bool check_range(const char* what, const std::vector<const at::Tensor*>& members
   const at::Device device = flat.device();
   const int64_t numel = flat.numel();
   const int64_t es = flat.element_size();
+  const c10::StorageImpl* flat_storage = flat.storage().unsafeGetStorageImpl();
   for (size_t i = b; i < e; ++i) {
     const at::Tensor& t = *members[i];
     const int64_t off = offsets[i];
@@ -73,7 +82,7 @@ bool check_range(const char* what, const std::vector<const at::Tensor*>& members
                    ", ", off + n, ") is out of bounds for flat of numel ", numel);
     if (n == 0) continue;
     out.reach = std::max(out.reach, off + n);
-    out.inference = out.inference || t.is_inference();
+    out.inference = out.inference || no_version_counter(t);
     // Raw pointers bypass torch's storage bounds checks, and a storage freed
     // with resize_(0) (as FSDP does on reshard) still hands out data_ptr() 0.
     int64_t last = t.storage_offset() + n - 1;  // last element reached, in elements
@@ -83,10 +92,23 @@ bool check_range(const char* what, const std::vector<const at::Tensor*>& members
       const auto strides = t.strides();
       for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
     }
-    const size_t have = t.storage().nbytes();
+    c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+    const size_t have = storage->nbytes();
     ZS_CHECK(static_cast<uint64_t>((last + 1) * es) <= have, "zeroshard: ", what, "[", i,
              "] reaches byte ", (last + 1) * es, " of a storage of ", have,
              " bytes (was its storage freed?)");
+    if (writable && c10::impl::cow::is_cow_data_ptr(storage->data_ptr())) {
+      c10::impl::cow::materialize_cow(storage);  // as copy_ would, before any write
+    }
+    // In flat's own storage: exactly its range there (a parameter viewing the
+    // FlatParameter) or apart from it. copy_ refuses dense partial overlaps.
+    if (storage == flat_storage && t.is_non_overlapping_and_dense()) {
+      const int64_t at = flat.storage_offset() + off;
+      const int64_t lo = t.storage_offset();
+      ZS_CHECK(lo >= at + n || at >= lo + n || (lo == at && t.is_contiguous()), "zeroshard: ", what, "[", i,
+               "]: unsupported operation: some elements of the input tensor and the written-to tensor "
+               "refer to a single memory location (it overlaps its own range of flat). Fix: clone() it first.");
+    }
     if (is_memcpyable(t)) {
       // mutable_data_ptr would bump nothing but is refused on inference tensors.
       out.segs.push_back({const_cast<char*>(static_cast<const char*>(t.const_data_ptr())), off * es, n * es});
@@ -106,8 +128,8 @@ void append(std::vector<T>& to, const std::vector<T>& from) {
 // Checks one slice per thread. Each slice stops at its first error; the first
 // slice with one holds the first bad member, so the serial pass's error is raised.
 bool check_in_slices(const char* what, const std::vector<const at::Tensor*>& members,
-                     const std::vector<int64_t>& offsets, const at::Tensor& flat, size_t slices,
-                     Checked& out) {
+                     const std::vector<int64_t>& offsets, const at::Tensor& flat, bool writable,
+                     size_t slices, Checked& out) {
   struct Slice {
     Checked found;
     bool plain = true;
@@ -118,7 +140,7 @@ bool check_in_slices(const char* what, const std::vector<const at::Tensor*>& mem
   at::parallel_for(0, slices, 1, [&](int64_t sb, int64_t se) {
     for (int64_t k = sb; k < se; ++k) {
       try {
-        parts[k].plain = check_range(what, members, offsets, flat, n * k / slices,
+        parts[k].plain = check_range(what, members, offsets, flat, writable, n * k / slices,
                                      n * (k + 1) / slices, parts[k].found);
       } catch (...) {
         parts[k].error = std::current_exception();
@@ -144,7 +166,8 @@ bool check_in_slices(const char* what, const std::vector<const at::Tensor*>& mem
 }  // namespace
 
 bool check_and_collect(const char* what, const std::vector<const at::Tensor*>& members,
-                       const std::vector<int64_t>& offsets, const at::Tensor& flat, Checked& out) {
+                       const std::vector<int64_t>& offsets, const at::Tensor& flat, bool writable,
+                       Checked& out) {
   // Long lists are checked in slices on the copy's threads: the checks read
   // each member's TensorImpl and StorageImpl, cache misses that one thread
   // paid one after another (at 1000 tensors, ~30 us against ~60 us for
@@ -152,8 +175,8 @@ bool check_and_collect(const char* what, const std::vector<const at::Tensor*>& m
   const size_t slices = at::in_parallel_region()
       ? 1
       : std::min<size_t>(at::get_num_threads(), members.size() / kMembersPerSlice);
-  const bool plain = slices > 1 ? check_in_slices(what, members, offsets, flat, slices, out)
-                                : check_range(what, members, offsets, flat, 0, members.size(), out);
+  const bool plain = slices > 1 ? check_in_slices(what, members, offsets, flat, writable, slices, out)
+                                : check_range(what, members, offsets, flat, writable, 0, members.size(), out);
   if (!plain || out.reach == 0) return plain;
   const int64_t es = flat.element_size();
   const size_t have = flat.storage().nbytes();
@@ -163,9 +186,20 @@ bool check_and_collect(const char* what, const std::vector<const at::Tensor*>& m
   return true;
 }
 
+void check_writable(const char* what, const std::vector<const at::Tensor*>& members, const Checked& found) {
+  for (size_t m : found.strided) {
+    const at::Tensor& t = *members[m];
+    ZS_CHECK(!t._is_zerotensor(), "zeroshard: ", what, "[", m, "] is a ZeroTensor, which is immutable. "
+             "Fix: pass a real tensor (e.g. torch.zeros) to write into.");
+    ZS_CHECK(at::has_internal_overlap(t) != at::MemOverlap::Yes, "zeroshard: ", what, "[", m,
+             "]: unsupported operation: more than one element of the written-to tensor refers to a single "
+             "memory location (an expanded view?). Fix: clone() it first.");
+  }
+}
+
 void bump_versions(const std::vector<const at::Tensor*>& members, const Checked& found, bool runs) {
   for (size_t m : found.strided) {  // first: outside InferenceMode this raises
-    if (found.inference && members[m]->is_inference()) members[m]->unsafeGetTensorImpl()->bump_version();
+    if (found.inference && no_version_counter(*members[m])) members[m]->unsafeGetTensorImpl()->bump_version();
   }
   if (runs) {
     for (size_t m : found.run_member) members[m]->unsafeGetTensorImpl()->bump_version();
@@ -199,9 +233,9 @@ bool flatten_into(const Tensors& tensors, const std::vector<int64_t>& offsets,
   check_flat(flat);
   ZS_CHECK_VALUE(tensors.size() == offsets.size(), "zeroshard: got ", tensors.size(),
                  " tensors but ", offsets.size(), " offsets");
-  if (!is_plain(flat)) return false;
+  if (!flat_is_raw(flat)) return false;
   Checked found;
-  if (!check_and_collect("tensors", tensors, offsets, flat, found)) return false;  // no write before
+  if (!check_and_collect("tensors", tensors, offsets, flat, /*writable=*/false, found)) return false;  // no write before
   if (tensors.empty()) return true;
   flat.unsafeGetTensorImpl()->bump_version();  // in-place write, as copy_ would record
   copy_runs(found.segs, flat, /*to_flat=*/true);
@@ -218,7 +252,7 @@ std::optional<at::Tensor> flatten(const Tensors& tensors, const std::vector<int6
   if (!is_plain(*tensors[0])) return std::nullopt;  // flat takes its device
   at::Tensor flat = at::empty({total_numel}, tensors[0]->options());
   Checked found;
-  if (!check_and_collect("tensors", tensors, offsets, flat, found)) return std::nullopt;
+  if (!check_and_collect("tensors", tensors, offsets, flat, /*writable=*/false, found)) return std::nullopt;
 
   // Zero only the gaps between (sorted) covered ranges, in the same parallel
   // pass as the copies, instead of a separate full-buffer memset. The ranges
@@ -245,15 +279,16 @@ bool unflatten_into(const at::Tensor& flat, const std::vector<int64_t>& offsets,
   check_flat(flat);
   ZS_CHECK_VALUE(outs.size() == offsets.size(), "zeroshard: got ", outs.size(),
                  " outputs but ", offsets.size(), " offsets");
-  if (!is_plain(flat)) return false;
+  if (!flat_is_raw(flat)) return false;
   Checked found;
-  if (!check_and_collect("outs", outs, offsets, flat, found)) return false;
+  if (!check_and_collect("outs", outs, offsets, flat, /*writable=*/true, found)) return false;
+  check_writable("outs", outs, found);
   const bool bump_in_copy = flat.device().is_cpu() && !found.inference;
   bump_versions(outs, found, /*runs=*/!bump_in_copy);
   if (!bump_in_copy) {
     copy_runs(found.segs, flat, /*to_flat=*/false);
   } else if (!found.segs.empty()) {
-    copy_runs_cpu(found.segs, payload_prefix(found.segs), static_cast<char*>(flat.data_ptr()),
+    copy_runs_cpu(found.segs, payload_prefix(found.segs), flat_bytes(flat, /*to_flat=*/false),
                   /*to_flat=*/false, [&](size_t i, bool starts) {
                     if (starts) outs[found.run_member[i]]->unsafeGetTensorImpl()->bump_version();
                     return true;
@@ -269,11 +304,19 @@ std::optional<std::vector<at::Tensor>> unflatten(const at::Tensor& flat,
   check_flat(flat);
   ZS_CHECK_VALUE(shapes.size() == offsets.size(), "zeroshard: got ", shapes.size(),
                  " shapes but ", offsets.size(), " offsets");
-  if (!is_plain(flat)) return std::nullopt;
+  if (!flat_is_raw(flat)) return std::nullopt;
+  // Every shape is checked before the first output is allocated.
   for (size_t i = 0; i < shapes.size(); ++i) {
+    int64_t n = 1;
+    bool overflow = false;
     for (int64_t d : shapes[i]) {
       ZS_CHECK_VALUE(d >= 0, "zeroshard: shapes[", i, "] has a negative size: ", shapes[i]);
+      overflow = overflow || __builtin_mul_overflow(n, d, &n);
     }
+    const int64_t off = offsets[i];
+    ZS_CHECK_VALUE(!overflow && off >= 0 && off <= flat.numel() - n, "zeroshard: shapes[", i, "] range [", off,
+                   ", ", off, " + ", overflow ? std::string("more than int64 holds") : std::to_string(n),
+                   ") is out of bounds for flat of numel ", flat.numel());
   }
   std::vector<at::Tensor> outs;
   outs.reserve(shapes.size());
@@ -321,8 +364,16 @@ std::vector<int64_t> unpack_ints(py::handle seq, const char* what) {
   PyObject** items = PySequence_Fast_ITEMS(fast.ptr());
   std::vector<int64_t> out(n);
   for (Py_ssize_t i = 0; i < n; ++i) {
+    if (PyBool_Check(items[i])) {  // an int subclass, refused as torch's narrow refuses it
+      throw py::type_error(std::string("zeroshard: ") + what + ", got a bool at [" + std::to_string(i) + "]");
+    }
     out[i] = PyLong_AsLongLong(items[i]);  // accepts __index__ (numpy ints), not floats
-    if (out[i] == -1 && PyErr_Occurred()) throw py::error_already_set();
+    if (out[i] == -1 && PyErr_Occurred()) {
+      if (!PyErr_ExceptionMatches(PyExc_OverflowError)) throw py::error_already_set();
+      PyErr_Clear();  // the pure-torch path's bounds check says ValueError: so do we
+      throw py::value_error(std::string("zeroshard: ") + what + ", got one beyond int64 at [" +
+                            std::to_string(i) + "]: out of bounds");
+    }
   }
   return out;
 }

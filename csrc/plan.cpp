@@ -16,6 +16,8 @@
 // wrong bytes.
 #include "copy_cpu.h"
 
+#include <c10/core/impl/COWDeleter.h>
+
 #include <algorithm>
 #include <mutex>
 
@@ -33,18 +35,21 @@ struct Snapshot {
   caffe2::TypeMeta dtype;
   c10::DispatchKeySet keys;  // conj/neg/zero-tensor bits, subclass key
   bool contiguous;
+  bool cow;  // lazily cloned since: a write must first give it its own copy (a rebuild does)
 
   static Snapshot of(const at::Tensor& t) {
     const c10::TensorImpl* i = t.unsafeGetTensorImpl();
     // Not has_storage(): an out-of-line call that cost a third of a replay's checks.
     const c10::StorageImpl* s = i->unsafe_storage().unsafeGetStorageImpl();
     return {s, s ? s->data() : nullptr, s ? s->nbytes() : 0, i->storage_offset(), i->numel(),
-            i->dtype(), i->key_set(), i->is_contiguous()};
+            i->dtype(), i->key_set(), i->is_contiguous(),
+            // is_cow_data_ptr's test, inlined: an out-of-line call per member per replay
+            s && s->data_ptr().get_deleter() == &c10::impl::cow::cow_deleter};
   }
   bool operator==(const Snapshot& o) const {
     return storage == o.storage && data == o.data && storage_nbytes == o.storage_nbytes &&
            storage_offset == o.storage_offset && numel == o.numel && dtype == o.dtype &&
-           keys == o.keys && contiguous == o.contiguous;
+           keys == o.keys && contiguous == o.contiguous && cow == o.cow;
   }
 };
 
@@ -62,7 +67,7 @@ class Plan {
   bool run(const at::Tensor& flat, bool to_flat) {
     std::lock_guard<std::mutex> lock(mu_);
     check_flat(flat);
-    if (!is_plain(flat)) return false;
+    if (!flat_is_raw(flat)) return false;
     const bool cpu = flat.device().is_cpu();
     // On CPU the members with runs are checked inside the parallel copy, each
     // by the thread about to touch it: their 1000 TensorImpl/StorageImpl reads
@@ -79,10 +84,11 @@ class Plan {
     }
     if (tensors_.empty()) return true;
     for (;;) {
+      if (!to_flat) check_writable("tensors", ptrs_, table_);  // strided members: checked by now
       if (to_flat) flat.unsafeGetTensorImpl()->bump_version();  // in-place write, as copy_ records
       const bool bump_in_copy = cpu && !table_.inference;
       if (!to_flat) bump_versions(ptrs_, table_, /*runs=*/!bump_in_copy);
-      char* base = static_cast<char*>(flat.data_ptr());
+      char* base = flat_bytes(flat, to_flat);
       if (cpu) {
         const bool copied = copy_runs_cpu(table_.segs, prefix_, base, to_flat, [&](size_t i, bool starts) {
           const size_t m = table_.run_member[i];
@@ -135,7 +141,9 @@ class Plan {
   bool rebuild(const at::Tensor& flat) {
     built_ = false;
     table_ = Checked{};
-    if (!check_and_collect("tensors", ptrs_, offsets_, flat, table_)) return false;
+    // Members are treated as destinations whichever way this call copies: the
+    // table serves both directions, so a lazily cloned member gets its own copy here.
+    if (!check_and_collect("tensors", ptrs_, offsets_, flat, /*writable=*/true, table_)) return false;
     snaps_.clear();
     unsegged_.clear();
     need_ = 0;

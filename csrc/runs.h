@@ -88,10 +88,19 @@ inline bool device_supported(const at::Device& d) {
 #endif
 }
 
-// Tensor subclasses (__torch_dispatch__, e.g. FakeTensor/DTensor) have no raw
-// memory we may touch: the caller falls back to the pure-torch path.
+// Dense CPU/CUDA tensors, autograd-tracked or not, conj/neg views and zero
+// tensors (is_memcpyable sorts those out). Any other dispatch key marks a
+// tensor whose raw memory we may not touch: a subclass (Python key: FakeTensor,
+// DTensor), a C++ wrapper (functionalize, vmap's Batched, grad's TensorWrapper,
+// whose storage is absent or not the values), nested or quantized tensors.
+// The caller then falls back to the pure-torch path, which torch's own ops serve.
 inline bool is_plain(const at::Tensor& t) {
-  return !t.key_set().has(c10::DispatchKey::Python) && device_supported(t.device());
+  using K = c10::DispatchKey;
+  static const c10::DispatchKeySet plain{K::CPU,         K::CUDA,        K::AutogradCPU, K::AutogradCUDA,
+                                         K::ADInplaceOrView, K::AutocastCPU, K::AutocastCUDA,
+                                         K::Conjugate,   K::Negative,    K::ZeroTensor};
+  // `-` removes functionality bits only (backend bits stay): nothing beyond them may be left.
+  return (t.key_set() - plain).highestFunctionalityKey() == K::Undefined && device_supported(t.device());
 }
 
 // Row-major memory whose bytes are the logical values (a conj/neg view's
@@ -102,27 +111,50 @@ inline bool is_memcpyable(const at::Tensor& t) {
 
 void check_flat(const at::Tensor& flat);
 
+// flat itself must be plain row-major memory: a conj/neg view or a zero tensor
+// (whose data pointer is null) goes to the pure-torch path whole.
+inline bool flat_is_raw(const at::Tensor& flat) { return is_plain(flat) && is_memcpyable(flat); }
+
+// flat's bytes: for writing, its own (a lazily cloned flat gets its own copy
+// first, as copy_ would); for reading, as they are (never materialized).
+inline char* flat_bytes(const at::Tensor& flat, bool to_flat) {
+  return to_flat ? static_cast<char*>(flat.mutable_data_ptr())
+                 : const_cast<char*>(static_cast<const char*>(flat.const_data_ptr()));
+}
+
 // What check_and_collect found in a list of members.
 struct Checked {
   std::vector<Seg> segs;           // a run per non-empty memcpy-able member, in member order
   std::vector<size_t> run_member;  // the member of each run
   std::vector<size_t> strided;     // non-empty members that are not memcpy-able (copy_ moves them)
   int64_t reach = 0;               // elements of flat the members cover
-  bool inference = false;          // a non-empty member is an inference tensor
+  // A non-empty member has no version counter: an inference tensor, or a
+  // tensor that got one's .data. Its bump must run on the calling thread.
+  bool inference = false;
 };
 
 // Checks members (sources of flatten, destinations of unflatten) against the
-// flat buffer: layout, dtype, device, bounds, and that both storages still
-// hold the bytes a raw copy will touch. Appends what it finds to `out`:
-// strided members go through at::Tensor::copy_. Returns false, having raised
-// nothing, if any member is not plain (the caller falls back to the pure-torch
-// path); otherwise raises the first bad member's error before anything is
-// written. Lists of 2 * kMembersPerSlice members or more are checked in
-// parallel slices of at least kMembersPerSlice, one per thread (none inside
-// another parallel region).
+// flat buffer: layout, dtype, device, bounds, that both storages still hold
+// the bytes a raw copy will touch, and that a member sharing flat's storage is
+// either exactly its own range there or disjoint from it (copy_ refuses a
+// partial overlap). Appends what it finds to `out`: strided members go through
+// at::Tensor::copy_. With `writable`, members are destinations: a
+// copy-on-write storage gets its own copy first (as copy_ would), so the
+// write does not reach the tensor it was lazily cloned from. Returns false,
+// having raised nothing, if any member is not plain (the caller falls back to
+// the pure-torch path); otherwise raises the first bad member's error before
+// anything is written. Lists of 2 * kMembersPerSlice members or more are
+// checked in parallel slices of at least kMembersPerSlice, one per thread
+// (none inside another parallel region).
 constexpr size_t kMembersPerSlice = 256;
 bool check_and_collect(const char* what, const std::vector<const at::Tensor*>& members,
-                       const std::vector<int64_t>& offsets, const at::Tensor& flat, Checked& out);
+                       const std::vector<int64_t>& offsets, const at::Tensor& flat, bool writable,
+                       Checked& out);
+
+// Raises copy_'s error, before anything is written, for a destination it would
+// refuse mid-way: a zero tensor, or one whose elements share memory (an
+// expanded view). Only strided members can be either.
+void check_writable(const char* what, const std::vector<const at::Tensor*>& members, const Checked& found);
 
 // Version bumps for an unflatten's destinations, as copy_ records an in-place
 // write. Run members are bumped here if `runs` (else the CPU copy bumps each on

@@ -541,3 +541,165 @@ def test_one_shot_calls_own_their_tensors_while_the_gil_is_released():
     proc = subprocess.run([sys.executable, "-c", RACE], env=env, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (proc.returncode, proc.stderr[-2000:])
+
+
+# --- inputs the raw copy must not take at face value (found by review, 2026-11-25) ---
+
+CRASHERS = """
+import os, torch
+from zeroshard import ext
+os.environ.pop("ZEROSHARD_DISABLE_EXT", None)
+out = []
+zero = torch._efficientzerotensor(4)  # storage says 16 bytes, its data pointer is null
+target = torch.ones(4)
+ext.unflatten_into(zero, [0], [target])
+out.append(target.tolist() == [0.0] * 4 and ext.unflatten(zero, [0], [(4,)])[0].tolist() == [0.0] * 4)
+def functional(x):  # functionalize's wrapper tensors have no storage of their own
+    flat = torch.zeros(4)
+    ext.flatten_into([x], [0], flat)
+    dst = torch.zeros(4)
+    ext.unflatten_into(x * 2, [0], [dst])
+    return flat + dst
+out.append(torch.func.functionalize(functional)(torch.arange(4.0)).tolist() == [0.0, 3.0, 6.0, 9.0])
+os.environ["ZEROSHARD_DISABLE_EXT"] = "1"  # torch's copy_ reads a freed storage: the python path checks it too
+src = torch.ones(4)
+src.untyped_storage().resize_(0)
+try:
+    ext.flatten_into([src], [0], torch.zeros(4))
+except RuntimeError as e:
+    out.append("storage" in str(e))
+print(out)
+"""
+
+
+@needs_ext
+def test_zero_tensor_flat_functionalize_and_freed_sources_do_not_crash():
+    """A zero tensor as flat and functionalize's wrappers segfaulted the extension (it
+    copied through a null data pointer / the wrapper's empty storage); a freed source
+    segfaulted the pure-torch path. Run in a child: a regression crashes it."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", CRASHERS], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[True, True, True]", (proc.returncode, proc.stderr[-2000:])
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_conj_and_neg_flat_and_functorch_tensors(backend):
+    """flat's own conj/neg bit was ignored (the extension copied the stored bytes, not the
+    values); vmap's and grad's wrappers raised NotImplementedError. All now take the
+    pure-torch path, so both backends give torch's values."""
+    if backend == "ext" and not HAVE_EXT:
+        pytest.skip("zeroshard._C not built")
+    flat = torch.zeros(2, dtype=torch.complex64).conj()
+    run(backend, ext.flatten_into, [torch.tensor([1 + 2j, 3 + 4j])], [0], flat)
+    assert flat.tolist() == [1 + 2j, 3 + 4j]
+    neg = torch._neg_view(torch.arange(4.0))
+    assert run(backend, ext.unflatten, neg, [0], [(4,)])[0].tolist() == [-0.0, -1.0, -2.0, -3.0]
+    plan_flat = torch.zeros(2, dtype=torch.complex64).conj()
+    with pytest.MonkeyPatch.context() as mp:
+        if backend == "python":
+            mp.setenv("ZEROSHARD_DISABLE_EXT", "1")
+        ext.CopyPlan([torch.tensor([1 + 2j, 3 + 4j])], [0]).flatten_into(plan_flat)
+        grads = torch.func.grad(lambda x: ext.unflatten(x, [0], [(4,)])[0].sum())(torch.arange(4.0))
+        batched = torch.func.vmap(lambda x: ext.unflatten(x, [1], [(2,)])[0])(torch.arange(6.0).view(2, 3))
+    assert plan_flat.tolist() == [1 + 2j, 3 + 4j]
+    assert grads.tolist() == [0.0] * 4  # unflatten is raw data movement: no autograd history
+    assert batched.tolist() == [[1.0, 2.0], [4.0, 5.0]]
+
+
+@needs_ext
+def test_lazy_clones_are_written_apart_and_read_in_place():
+    """Writing into a lazy (copy-on-write) clone through its raw pointer also wrote the
+    tensor it was cloned from; reading a lazily cloned flat copied it needlessly."""
+    for how in ("one-shot", "plan"):
+        x = torch.arange(4.0)
+        y = torch._lazy_clone(x)
+        flat = torch.full((4,), 7.0)
+        if how == "one-shot":
+            ext.unflatten_into(flat, [0], [y])
+        else:
+            ext.CopyPlan([y], [0]).unflatten_into(flat)
+        assert x.tolist() == [0.0, 1.0, 2.0, 3.0] and y.tolist() == [7.0] * 4, how
+    # A plan built before the member was lazily cloned notices the change.
+    x = torch.arange(4.0)
+    plan = ext.CopyPlan([x], [0])
+    plan.unflatten_into(torch.zeros(4))
+    y = torch._lazy_clone(x)
+    plan.unflatten_into(torch.full((4,), 5.0))
+    assert x.tolist() == [5.0] * 4 and y.tolist() == [0.0] * 4
+    src = torch._lazy_clone(torch.arange(4.0))
+    assert ext.unflatten(src, [0], [(4,)])[0].tolist() == [0.0, 1.0, 2.0, 3.0] and torch._C._is_cow_tensor(src)
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_refused_writes_raise_before_anything_is_written(backend):
+    """A member that partly overlaps its own range of flat was memcpy'd over itself
+    (copy_ refuses it); an expanded or zero-tensor destination listed before a good
+    one let the extension write the good one, then raise from copy_."""
+    if backend == "ext" and not HAVE_EXT:
+        pytest.skip("zeroshard._C not built")
+    flat = torch.arange(64.0)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        run(backend, ext.flatten_into, [flat[0:40]], [8], flat)
+    with pytest.raises(RuntimeError, match="single memory location"):
+        run(backend, ext.unflatten_into, flat, [0], [flat[8:48]])
+    assert torch.equal(flat, torch.arange(64.0))
+    run(backend, ext.flatten_into, [flat[8:48], flat[:8]], [8, 0], flat)  # exactly its own range: fine
+    assert torch.equal(flat, torch.arange(64.0))
+    for bad, msg in ((torch.zeros(1).expand(4), "single memory location"), (torch._efficientzerotensor(4), "ZeroTensor")):
+        good = torch.zeros(4)
+        with pytest.raises(RuntimeError, match=msg):
+            run(backend, ext.unflatten_into, torch.arange(1.0, 9.0), [0, 4], [bad, good])
+        if backend == "ext":
+            with pytest.raises(RuntimeError, match=msg):
+                ext.CopyPlan([bad, good], [0, 4]).unflatten_into(torch.arange(1.0, 9.0))
+        assert good.tolist() == [0.0] * 4 and good._version == 0
+
+
+@needs_ext
+def test_tensor_without_version_counter_inside_inference_mode(four_threads):
+    """A tensor given an inference tensor's place (.data of one) has no version counter
+    but is_inference() is False: its bump ran on a worker thread, outside InferenceMode,
+    and raised after the other member was written. The pure-torch path copies."""
+    n = 1 << 18
+    for how in ("one-shot", "plan"):
+        with torch.inference_mode():
+            x = torch.zeros(n)
+        x.data = torch.zeros(n)
+        a, src = torch.zeros(n), torch.arange(2.0 * n)
+        with torch.inference_mode():
+            if how == "one-shot":
+                ext.unflatten_into(src, [0, n], [a, x])
+            else:
+                ext.CopyPlan([a, x], [0, n]).unflatten_into(src)
+        assert torch.equal(a, src[:n]) and torch.equal(x, src[n:]), how
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_unflatten_checks_every_shape_before_allocating(backend):
+    """The extension allocated every output before any bounds check: a bad request
+    allocated (here: would allocate 4 TB) before its ValueError."""
+    if backend == "ext" and not HAVE_EXT:
+        pytest.skip("zeroshard._C not built")
+    flat = torch.zeros(4)
+    with pytest.raises(ValueError, match=r"shapes\[1\].*out of bounds"):
+        run(backend, ext.unflatten, flat, [0, 0], [(2,), (1 << 40,)])
+    with pytest.raises(ValueError, match=r"shapes\[0\].*out of bounds"):
+        run(backend, ext.unflatten, flat, [0], [(1 << 40, 1 << 40)])  # overflows int64
+
+
+@pytest.mark.parametrize("backend", ["ext", "python"])
+def test_offsets_must_be_ints(backend):
+    if backend == "ext" and not HAVE_EXT:
+        pytest.skip("zeroshard._C not built")
+    flat = torch.zeros(4)
+    with pytest.raises(TypeError):
+        run(backend, ext.flatten_into, [torch.ones(2)], [True], flat)
+    with pytest.raises(ValueError, match="out of bounds"):
+        run(backend, ext.flatten_into, [torch.ones(2)], [2**63], flat)
+    with pytest.raises(TypeError):
+        ext.CopyPlan([torch.ones(2)], [1.9])
+    with pytest.raises(TypeError):
+        ext.CopyPlan([torch.ones(2)], [True])
+    assert not flat.any()

@@ -11,7 +11,11 @@ gradients with ``flatten`` and writes the gathered parameters back with a
 many-tensor copies fast (one parallel pass on CPU, one kernel launch on CUDA).
 
 All four functions are raw data movement: no autograd history is recorded, whatever
-``requires_grad`` says. Overlapping destination ranges give unspecified results.
+``requires_grad`` says. Overlapping destination ranges give unspecified results; a
+member that partly overlaps its own range of flat raises, as ``copy_`` does (exactly its
+own range, a parameter viewing the FlatParameter, is a no-op copy). What the raw copy
+cannot take (a conj/neg or zero-tensor flat, subclasses, functorch and functionalize
+wrappers, nested or quantized tensors) goes to the pure-torch path whole.
 
 This module is the bottom of zeroshard's import graph: it imports nothing from zeroshard
 except the compiled ``zeroshard._C``.
@@ -20,6 +24,7 @@ except the compiled ``zeroshard._C``.
 from __future__ import annotations
 
 import math
+import operator
 import os
 import warnings
 from typing import Sequence
@@ -181,7 +186,7 @@ class CopyPlan:
 
     def __init__(self, tensors: Sequence[Tensor], offsets: Sequence[int]):
         _check_lengths(tensors, offsets, "tensors")
-        self.tensors, self.offsets = list(tensors), [int(o) for o in offsets]
+        self.tensors, self.offsets = list(tensors), [_index(o) for o in offsets]
         self._plan = _C.Plan(self.tensors, self.offsets) if _C is not None else None
 
     def __len__(self) -> int:
@@ -245,6 +250,13 @@ def _packed_start(offsets: Sequence[int], numels: Sequence[int]) -> int | None:
     return offsets[0]
 
 
+def _index(offset) -> int:
+    """An offset as the one-shot calls take it: an int or anything with __index__, not a bool."""
+    if isinstance(offset, bool):
+        raise TypeError(f"zeroshard: offsets must be ints, got {offset!r}")
+    return operator.index(offset)
+
+
 def _check_lengths(items: Sequence, offsets: Sequence[int], what: str) -> None:
     if len(items) != len(offsets):
         raise ValueError(f"zeroshard: got {len(items)} {what} but {len(offsets)} offsets")
@@ -268,7 +280,23 @@ def _check_members(tensors: Sequence[Tensor], offsets: Sequence[int], flat: Tens
             )
         if t.device != flat.device:
             raise ValueError(f"zeroshard: {what}[{i}] is on {t.device} but flat is on {flat.device}")
+        _check_storage(t, what, i)
     _check_ranges([t.numel() for t in tensors], offsets, flat.numel(), what)
+
+
+def _check_storage(t: Tensor, what: str, i: int) -> None:
+    """torch's copy_ reads and writes a storage freed with resize_(0) (FSDP's reshard) and
+    segfaults: raise the extension's error instead."""
+    if not t.numel() or t.device.type == "meta":
+        return
+    try:
+        have = t.untyped_storage().nbytes()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (functorch, subclasses)
+        return
+    reach = (t.storage_offset() + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+    if reach > have:
+        raise RuntimeError(f"zeroshard: {what}[{i}] reaches byte {reach} of a storage of {have} bytes "
+                           "(was its storage freed?)")
 
 
 def _check_ranges(numels: Sequence[int], offsets: Sequence[int], flat_numel: int, what: str):
