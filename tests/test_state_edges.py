@@ -631,3 +631,41 @@ def test_a_parent_load_walks_each_unit_once(ranks, kind):
         warnings.simplefilter("ignore")
         for calls in ranks.run(2, _parent_walks_units_once, kind):
             assert calls.count("torch.distributed.fsdp") == 1 and calls.count("zeroshard") == 1, calls
+
+
+class _ViewBlock(torch.nn.Module):
+    """Its state-dict hook adds a view of a full parameter (export code does)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = torch.nn.Linear(4, 6), torch.nn.Linear(6, 4)
+        self._register_state_dict_hook(lambda mod, sd, prefix, meta: sd.__setitem__(
+            prefix + "l2_t", sd[prefix + "l2.weight"].t()))
+
+    def forward(self, x):
+        return x + self.l2(torch.relu(self.l1(x)))
+
+
+def _hook_views_survive_the_gather(rank, world_size, offload):
+    import zeroshard as zs
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(_ViewBlock(), _ViewBlock())
+    plain = base.state_dict()
+    m = zs.FullyShardedDataParallel(copy.deepcopy(base), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({_ViewBlock}))
+    cfg = zs.FullStateDictConfig(offload_to_cpu=offload, rank0_only=False)
+    with zs.FullyShardedDataParallel.state_dict_type(m, zs.StateDictType.FULL_STATE_DICT, cfg):
+        sd = m.state_dict()
+    assert list(sd) == list(plain)
+    for k, v in sd.items():  # a view left on the freed gather buffer has 0 bytes behind it
+        assert v.untyped_storage().nbytes() >= v.numel() * v.element_size() and torch.equal(v, plain[k]), k
+    return True
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_state_dict_hook_views_are_copied_with_offload_on_cpu(ranks, offload):
+    """With offload_to_cpu on a CPU model, a hook's view of a full parameter was kept
+    as .cpu() of itself: a view of the unit's all-gather buffer, freed right after
+    (torch.load of the saved file then failed; reading it could segfault). torch FSDP1
+    itself crashes on such hooks, so the reference is the plain model's state dict."""
+    assert all(ranks.run(2, _hook_views_survive_the_gather, offload))

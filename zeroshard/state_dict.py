@@ -147,7 +147,8 @@ def _copy_out(h, destination, start: int, ctx: _Walk):
             if h.sharded:
                 ctx.sharded_ids.add(id(destination[k]))
         elif v.untyped_storage().data_ptr() == storage:  # a hook's view of a full parameter
-            destination[k] = v.detach().cpu() if ctx.offload else v.detach().clone()
+            # Always a copy: .cpu() of a CPU tensor is the view itself, left on the freed gather buffer.
+            destination[k] = v.detach().to("cpu", copy=True) if ctx.offload else v.detach().clone()
         else:
             continue
         ctx.copied.add(k)
