@@ -179,6 +179,25 @@ def test_save_sharded_refuses_to_replace_a_directory_that_is_not_a_checkpoint(tm
     assert (tmp_path / "notes.txt").read_text() == "precious"
 
 
+def test_checkpoint_files_follow_the_umask_and_sibling_saves_are_left_alone(tmp_path):
+    """checkpoint.save wrote through tempfile.mkstemp, whose mode 0600 the rename gave
+    the checkpoint (torch.save's file follows the umask: 0644 under 022); save_sharded's
+    cleanup of killed saves' folders ('.ckpt.<hex>.tmp') also matched a live save of
+    'ckpt.best' ('.ckpt.best.<hex>.tmp') and deleted it."""
+    old = os.umask(0o022)
+    try:
+        checkpoint.save({"a": torch.ones(2)}, str(tmp_path / "m.pt"))
+        torch.save({"a": torch.ones(2)}, str(tmp_path / "t.pt"))
+    finally:
+        os.umask(old)
+    assert oct(os.stat(tmp_path / "m.pt").st_mode & 0o777) == oct(os.stat(tmp_path / "t.pt").st_mode & 0o777) == "0o644"
+    busy = tmp_path / ".ckpt.best.0123456789ab.tmp"  # ckpt.best being written right now
+    stale = tmp_path / ".ckpt.ba9876543210.tmp"
+    busy.mkdir(), stale.mkdir()
+    checkpoint.save_sharded({"w": torch.ones(2)}, str(tmp_path / "ckpt"))
+    assert busy.is_dir() and not stale.exists()
+
+
 # ------------------------------------------------------------ load_sharded errors
 def _mlp():
     torch.manual_seed(0)

@@ -33,9 +33,9 @@ import ctypes
 import glob
 import json
 import os
+import re
 import shutil
 import socket
-import tempfile
 
 import torch
 import torch.distributed as dist
@@ -110,7 +110,9 @@ def save(obj, path: str | os.PathLike) -> None:
                 os.remove(stale)
             except FileNotFoundError:
                 pass
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix + _writer_tag(), suffix=".tmp")
+    tmp = os.path.join(directory, prefix + _writer_tag() + os.urandom(6).hex() + ".tmp")
+    # Not mkstemp, whose mode 0600 the rename would hand to the checkpoint: 0666 less the umask, as torch.save's open().
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -221,8 +223,10 @@ def _prepare(path: str) -> str:
     if os.path.lexists(path) and not _is_checkpoint_dir(path):
         raise FileExistsError(f"zeroshard: save_sharded: '{path}' exists and is not a checkpoint directory (it holds "
                               "other files); refusing to replace it. Fix: pass a new path or a previous checkpoint's.")
+    own = re.compile(re.escape(f".{name}.") + "[0-9a-f]{12}" + re.escape(".tmp"))  # not '.{name}.best.<hex>.tmp'
     for stale in glob.glob(os.path.join(glob.escape(parent), glob.escape(f".{name}.") + "*.tmp")):
-        shutil.rmtree(stale, ignore_errors=True)  # left by a killed save; nobody else writes these names
+        if own.fullmatch(os.path.basename(stale)):
+            shutil.rmtree(stale, ignore_errors=True)  # left by a killed save; nobody else writes these names
     tmp = os.path.join(parent, f".{name}.{os.urandom(6).hex()}.tmp")
     os.mkdir(tmp)  # not mkdtemp: its mode 0700 would become the checkpoint's; mkdir follows the umask as dcp.save does
     return tmp
