@@ -18,6 +18,7 @@ and checkpoints that resume bit-exactly.
 from __future__ import annotations
 
 import contextlib
+import copy
 import os
 import warnings
 
@@ -329,7 +330,8 @@ def _load_elsewhere(rank, world_size, stage, ckpt_dir, tag):
     engine, *_ = _engine(stage, seed=1)
     path, client = engine.load_checkpoint(ckpt_dir, tag=tag)
     saved = torch.load(path, weights_only=False)
-    saved_optim = torch.load(os.path.join(os.path.dirname(path), "zero_optim_states.pt"), weights_only=False)["optimizer"]
+    optim_file = os.path.join(os.path.dirname(path), saved[ds_checkpoint.OWN]["optim_file"])
+    saved_optim = torch.load(optim_file, weights_only=False)["optimizer"]
     return client == {"rank": 0} and _equal_nested(saved["module"], ds_checkpoint.model_state_dict(engine)) and \
         _equal_nested(saved_optim, ds_checkpoint.optimizer_state_dict(engine))
 
@@ -682,3 +684,68 @@ def _no_sync_sharded(rank, world_size):
 
 def test_no_sync_is_refused_with_sharded_gradients(ranks):
     assert all(ranks.run(2, _no_sync_sharded))
+
+
+# ------------------------------------------------------------ failed saves and loads
+def _failed_save_over_a_reused_tag(rank, world_size, stage, ckpt_dir):
+    """A save over a reused tag that dies after the optimizer file (here: the model
+    file's write fails) left the new optimizer state beside the old model file, and a
+    load mixed them silently. The optimizer file is now named per save and the model
+    file names its own; rank 0's error reaches every rank (rank 1 waited in a barrier
+    for the process group's timeout)."""
+    from unittest import mock
+
+    from zeroshard import checkpoint
+
+    engine, *_ = _engine(stage)
+    _train(engine, rank, 2, 0)
+    engine.save_checkpoint(ckpt_dir, tag="last")
+    expected = copy.deepcopy((ds_checkpoint.model_state_dict(engine), ds_checkpoint.optimizer_state_dict(engine)))
+    _train(engine, rank, 2, 2)  # (the first are the live parameters at stages 0/1)
+    real = checkpoint.save
+
+    def dies_at_the_model_file(obj, path):
+        if os.path.basename(path) == ds_checkpoint.MODEL_FILE:
+            raise OSError("disk full")
+        real(obj, path)
+
+    with mock.patch.object(checkpoint, "save", dies_at_the_model_file):
+        with pytest.raises((OSError, RuntimeError), match="disk full"):
+            engine.save_checkpoint(ckpt_dir, tag="last")
+    fresh, *_ = _engine(stage, seed=1)
+    fresh.load_checkpoint(ckpt_dir, tag="last")
+    assert fresh.global_steps == 2
+    got = (ds_checkpoint.model_state_dict(fresh), ds_checkpoint.optimizer_state_dict(fresh))
+    assert _equal_nested(expected, got)
+    engine.save_checkpoint(ckpt_dir, tag="last")  # the next save removes the dead one's optimizer file
+    torch.distributed.barrier()
+    return sorted(os.listdir(os.path.join(ckpt_dir, "last")))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_failed_save_over_a_reused_tag_keeps_the_previous_checkpoint(ranks, tmp_path, stage):
+    for files in ranks.run(2, _failed_save_over_a_reused_tag, stage, str(tmp_path)):
+        assert len(files) == 2 and files[0] == ds_checkpoint.MODEL_FILE and files[1].startswith("zero_optim_states."), files
+
+
+def _failed_load_changes_nothing(rank, world_size, stage, ckpt_dir):
+    model = build("mlp")
+    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
+              {"params": [p for n, p in model.named_parameters() if not n.endswith("weight")], "weight_decay": 0.0}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = initialize(model=model, model_parameters=groups, config=_config(stage))
+    _train(engine, rank, 1, 0)
+    engine.save_checkpoint(ckpt_dir, tag="two_groups")
+    other, *_ = _engine(stage, seed=1)  # one param group
+    before = ds_checkpoint.model_state_dict(other)
+    with pytest.raises(ValueError, match="param groups"):
+        other.load_checkpoint(ckpt_dir, tag="two_groups")
+    return other.global_steps == 0 and _equal_nested(before, ds_checkpoint.model_state_dict(other))
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_failed_load_changes_nothing(ranks, tmp_path, stage):
+    """An optimizer state that does not fit raised only after the weights were loaded
+    (16 of 17 tensors overwritten at stage 3): it is now checked first."""
+    assert all(ranks.run(2, _failed_load_changes_nothing, stage, str(tmp_path)))

@@ -158,7 +158,7 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _on_rank0(fn, what: str):
+def on_rank0(fn, what: str):
     """Run ``fn`` on rank 0 only; every rank returns its result or raises its
     error (a broadcast, so it is also a barrier: nobody returns before rank 0)."""
     result, error = None, None
@@ -261,14 +261,14 @@ def save_sharded(state: dict, path: str | os.PathLike) -> None:
 
     path = os.path.abspath(os.fspath(path))
     _check_plain_tensors_agree(state)
-    tmp = _on_rank0(lambda: _prepare(path), "save_sharded (preparing the directory)")
+    tmp = on_rank0(lambda: _prepare(path), "save_sharded (preparing the directory)")
     dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
     if _distributed():
         # dcp.save already ends with rank 0 writing .metadata after every
         # rank reported its files; the barrier makes "all ranks finished" explicit.
         comm.barrier(what="save_sharded (every rank's files written)")
     world = dist.get_world_size() if _distributed() else 1
-    _on_rank0(lambda: _commit(tmp, path, world), "save_sharded (renaming the checkpoint into place)")
+    on_rank0(lambda: _commit(tmp, path, world), "save_sharded (renaming the checkpoint into place)")
 
 
 def _flatten(state: dict):
@@ -382,7 +382,7 @@ def load_sharded(state: dict, path: str | os.PathLike, strict: bool = True) -> N
     from torch.distributed.checkpoint.api import CheckpointException
 
     path = os.path.abspath(os.fspath(path))
-    _on_rank0(lambda: _recover(path), "load_sharded (recovering an interrupted save)")
+    on_rank0(lambda: _recover(path), "load_sharded (recovering an interrupted save)")
     found = comm.first_problem(_describe_problem(state, path, strict), what="load_sharded: checking the checkpoint")
     if found is not None:
         raise ValueError(found[1])

@@ -10,11 +10,11 @@ Layout of ``save_dir``:
   stage 0 without a master (DeepSpeed keeps the non-ZeRO optimizer there too,
   else None); the user's ``client_state`` keys at the top level, as DeepSpeed
   merges them; and zeroshard's own entries under ``zeroshard``;
-* ``tag/zero_optim_states.pt``: at the other stages the optimizer state in a
-  world-size independent form: FSDP's FULL optimizer state dict at stages 2/3,
-  ZeRO-1's gathered flat states at stage 1 and for a stage-0 fp16/bf16 master.
-  DeepSpeed writes each rank's partition instead
-  (``zero_pp_rank_R_mp_rank_00_optim_states.pt``);
+* ``tag/zero_optim_states.ID.pt`` (ID: random per save, named by the model
+  file): at the other stages the optimizer state in a world-size independent
+  form: FSDP's FULL optimizer state dict at stages 2/3, ZeRO-1's gathered flat
+  states at stage 1 and for a stage-0 fp16/bf16 master. DeepSpeed writes each
+  rank's partition instead (``zero_pp_rank_R_mp_rank_00_optim_states.pt``);
 * ``latest``: the newest tag.
 
 So the two read each other's model files: DeepSpeed loads a zeroshard
@@ -26,8 +26,15 @@ route that works (``load_optimizer_states=False``; DeepSpeed's own
 ``zero_to_fp32.py``). Checkpoints of earlier zeroshard versions still load.
 
 Every file is written atomically (``checkpoint.save``: temp file, fsync,
-rename), and ``latest`` names a tag only after every file of it is complete,
-so a save killed half-way leaves the previous checkpoint loadable.
+rename), the optimizer file first under a new name, then the model file that
+names it (the rename that switches the tag to the new save), then ``latest``:
+so a save killed half-way leaves the previous checkpoint loadable, under its
+own tag or one the new save reuses (the old model file still names the old
+optimizer file). Rank 0 writes; its error is raised on every rank. A load
+reads and checks the optimizer state before it changes the engine; then the
+weights load (at stages 0/1 torch's ``load_state_dict``, which copies the
+matching keys before a strict key mismatch raises; at stages 2/3 FSDP's,
+which checks every key first).
 """
 from __future__ import annotations
 
@@ -43,7 +50,7 @@ from .fully_sharded import FullyShardedDataParallel
 from .options import StateDictType
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
-OPTIM_FILE = "zero_optim_states.pt"
+OPTIM_FILE = "zero_optim_states.pt"  # before optimizer files were named per save (still read)
 OWN = "zeroshard"  # zeroshard's own entries in the model file
 # DeepSpeed's entries of a model file (its engine's _common_checkpoint_state); the other top-level keys are
 # the client_state, which DeepSpeed merges in.
@@ -106,30 +113,36 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
                          "(client_state is merged into the model file, as DeepSpeed does). Fix: rename them.")
     path = os.path.join(os.fspath(save_dir), tag)
     model_sd, optim_sd = model_state_dict(engine), optimizer_state_dict(engine)  # collectives first, on every rank
-    if engine.global_rank == 0:
+
+    def write():
         os.makedirs(path, exist_ok=True)
         in_model_file = _optimizer_in_model_file(engine)
+        optim_file = None
+        if optim_sd is not None and not in_model_file:
+            optim_file = f"zero_optim_states.{os.urandom(6).hex()}.pt"
+            checkpoint.save({"optimizer": optim_sd, "format": optim_format(engine), "zero_stage": engine.stage},
+                            os.path.join(path, optim_file))
         checkpoint.save({
             "module": model_sd, "optimizer": optim_sd if in_model_file else None,
             "lr_scheduler": engine.lr_scheduler.state_dict() if hasattr(engine.lr_scheduler, "state_dict") else None,
             **{k: getattr(engine, k) for k in _RESTORED}, "dp_world_size": engine.world_size, "mp_world_size": 1,
             "ds_config": engine.config.raw,
-            OWN: {"zero_stage": engine.stage, "micro_steps": engine.micro_steps,
+            OWN: {"zero_stage": engine.stage, "micro_steps": engine.micro_steps, "optim_file": optim_file,
                   "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None},
             **client_state,
         }, os.path.join(path, MODEL_FILE))
-        if optim_sd is not None and not in_model_file:
-            checkpoint.save({"optimizer": optim_sd, "format": optim_format(engine), "zero_stage": engine.stage},
-                            os.path.join(path, OPTIM_FILE))
-    comm.barrier(what="save_checkpoint (rank 0 writing the files)")  # every file is complete before 'latest' names the tag
-    if save_latest and engine.global_rank == 0:
-        tmp = os.path.join(os.fspath(save_dir), f".latest.{os.getpid()}.tmp")
-        with open(tmp, "w") as f:
-            f.write(tag)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))  # atomic, like checkpoint.save
-    comm.barrier(what="save_checkpoint (rank 0 writing 'latest')")
+        for old in glob.glob(os.path.join(glob.escape(path), "zero_optim_states*.pt")):
+            if os.path.basename(old) != optim_file:  # the previous save's, or a killed one's
+                os.remove(old)
+        if save_latest:
+            tmp = os.path.join(os.fspath(save_dir), f".latest.{os.getpid()}.tmp")
+            with open(tmp, "w") as f:
+                f.write(tag)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))  # atomic, like checkpoint.save
+
+    checkpoint.on_rank0(write, "save_checkpoint (rank 0 writing the files)")
     return True
 
 
@@ -137,12 +150,14 @@ def save_16bit(engine, save_dir, save_filename: str) -> bool:
     """``Engine.save_16bit_model`` (collective): rank 0 writes the full state dict atomically."""
     dtype = engine.config.low_precision_dtype
     sd = model_state_dict(engine)
-    if engine.global_rank == 0:
-        if dtype is not None:
-            sd = {k: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() else v for k, v in sd.items()}
+
+    def write():
+        low = {k: v.to(dtype) if dtype is not None and torch.is_tensor(v) and v.is_floating_point() else v
+               for k, v in sd.items()}
         os.makedirs(os.fspath(save_dir), exist_ok=True)
-        checkpoint.save(sd, os.path.join(os.fspath(save_dir), save_filename))
-    comm.barrier(what="save_16bit_model (rank 0 writing the file)")
+        checkpoint.save(low, os.path.join(os.fspath(save_dir), save_filename))
+
+    checkpoint.on_rank0(write, "save_16bit_model (rank 0 writing the file)")
     return True
 
 
@@ -160,10 +175,11 @@ def _no_model_file(load_dir: str, tag: str) -> ValueError:
 
 def _read_optimizer(engine, ckpt: dict, folder: str, by_deepspeed: bool):
     """The saved optimizer state, checked to be in the form this engine steps."""
+    optim_file = os.path.join(folder, ckpt.get(OWN, {}).get("optim_file") or OPTIM_FILE)  # the one this save wrote
     if ckpt.get("optimizer") is not None:  # stage 0's, in the model file (zeroshard or DeepSpeed)
         form, osd = "torch", ckpt["optimizer"]
-    elif os.path.isfile(os.path.join(folder, OPTIM_FILE)):
-        optim = checkpoint.load(os.path.join(folder, OPTIM_FILE), weights_only=False)
+    elif os.path.isfile(optim_file):
+        optim = checkpoint.load(optim_file, weights_only=False)
         form, osd = optim["format"], optim["optimizer"]
     elif by_deepspeed and glob.glob(os.path.join(glob.escape(folder), _DS_ZERO_OPTIM)):
         raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {folder} is DeepSpeed's ZeRO partitions "
@@ -207,11 +223,17 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
     osd = None
     if load_optimizer_states and not load_module_only and engine.optimizer is not None:
         osd = _read_optimizer(engine, ckpt, folder, by_deepspeed)
+    # Checks first: nothing below may fail once the weights are loaded.
+    if engine.zero1 is not None and osd is not None:
+        engine.zero1.check_state_dict(osd)
+    elif osd is not None:
+        if engine.stage >= 2:
+            with _full_state(engine):
+                osd = FullyShardedDataParallel.optim_state_dict_to_load(engine.wrapped, engine.optimizer, osd)
+        _check_groups(engine.optimizer, osd, folder)
     with _full_state(engine):
         engine.module.load_state_dict(ckpt["module"], strict=load_module_strict)
         if osd is not None and engine.zero1 is None:
-            if engine.stage >= 2:
-                osd = FullyShardedDataParallel.optim_state_dict_to_load(engine.wrapped, engine.optimizer, osd)
             engine.optimizer.load_state_dict(osd)
     if engine.zero1 is not None and osd is not None:
         engine.zero1.load_state_dict(osd)
@@ -225,3 +247,13 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
         engine.global_steps, engine.skipped_steps = ckpt["global_steps"], ckpt["skipped_steps"]
         engine.global_samples = ckpt.get("global_samples", engine.global_steps * engine.train_batch_size())
     return path, client
+
+
+def _check_groups(optimizer, osd: dict, folder: str) -> None:
+    """torch's optimizer.load_state_dict check, made before the weights are loaded."""
+    saved, own = [len(g["params"]) for g in osd["param_groups"]], [len(g["params"]) for g in optimizer.param_groups]
+    if saved != own:
+        raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {folder} has param groups of {saved} "
+                         f"parameters, this engine's optimizer {own}. Fix: build the optimizer with the param groups "
+                         "used when saving, or load_optimizer_states=False.")
+

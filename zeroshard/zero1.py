@@ -221,20 +221,25 @@ class ZeroOneOptimizer:
         return {"groups": groups, "param_groups": hparams}
 
     @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
-        """Cut a :meth:`state_dict` (saved at any world size) into this rank's chunks."""
+    def check_state_dict(self, sd: dict) -> None:
+        """Raise, changing nothing, if :meth:`load_state_dict` could not take ``sd``."""
         if len(sd["groups"]) != len(self.partitions):
             raise ValueError(f"zeroshard: the ZeRO-1 checkpoint has {len(sd['groups'])} param groups but the optimizer has "
                              f"{len(self.partitions)}. Fix: build the optimizer with the param groups used when saving.")
-        state, param_groups, index = {}, [], 0
-        for gi, (part, saved, hp) in enumerate(zip(self.partitions, sd["groups"], sd["param_groups"])):
-            if part is None:
-                param_groups.append({**hp, "params": []})
-                continue
-            if saved is None or saved["numel"] != part.layout.numel:
+        for gi, (part, saved) in enumerate(zip(self.partitions, sd["groups"])):
+            if part is not None and (saved is None or saved["numel"] != part.layout.numel):
                 got = None if saved is None else saved["numel"]
                 raise ValueError(f"zeroshard: param group {gi} of the ZeRO-1 checkpoint holds {got} elements but this "
                                  f"model's group has {part.layout.numel}. Fix: load a checkpoint of the same model.")
+
+    def load_state_dict(self, sd: dict) -> None:
+        """Cut a :meth:`state_dict` (saved at any world size) into this rank's chunks."""
+        self.check_state_dict(sd)  # before the first group is written
+        state, param_groups, index = {}, [], 0
+        for part, saved, hp in zip(self.partitions, sd["groups"], sd["param_groups"]):
+            if part is None:
+                param_groups.append({**hp, "params": []})
+                continue
             master = saved["master"].to(part.master.device, torch.float32)
             part.master.data.copy_(shard_of(part.padded(master), part.layout))
             state[index] = {k: shard_of(part.padded(v), part.layout) if torch.is_tensor(v) and v.dim() > 0 else v
