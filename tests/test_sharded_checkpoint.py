@@ -498,3 +498,32 @@ def test_sharded_dicts_that_differ_across_ranks_raise_everywhere_before_writing(
     values silently. Each now raises on every rank, naming the problem,
     before anything is written."""
     assert all(ranks.run(2, _bad_sharded_dicts))
+
+
+def _on_the_users_mesh(rank, world_size):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    base = build("mlp")
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ref = tfsdp.FullyShardedDataParallel(copy.deepcopy(base), auto_wrap_policy=tfsdp.wrap.ModuleWrapPolicy({Block}),
+                                             device_mesh=mesh, device_id=torch.device("cpu"))
+    ours = zs.FullyShardedDataParallel(copy.deepcopy(base), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
+                                       device_mesh=mesh)
+    with tfsdp.FullyShardedDataParallel.state_dict_type(ref, tfsdp.StateDictType.SHARDED_STATE_DICT), \
+            zs.FullyShardedDataParallel.state_dict_type(ours, zs.StateDictType.SHARDED_STATE_DICT):
+        theirs, sd = ref.state_dict(), ours.state_dict()
+        assert all(v.device_mesh is mesh for v in sd.values() if is_sharded(v))
+        assert all(torch.equal((sd[k] + theirs[k]).to_local(), 2 * theirs[k].to_local()) for k in sd if is_sharded(sd[k]))
+        ref.load_state_dict(sd)  # torch refused a DTensor on another mesh ("should be a root mesh")
+    return True
+
+
+def test_sharded_state_dict_values_live_on_the_users_device_mesh(ranks):
+    """With device_mesh=, torch FSDP1's SHARDED values live on that mesh; zeroshard made
+    its own from the process group, so its DTensors could not be added to the user's
+    ('different meshes') nor loaded by torch FSDP1."""
+    assert all(ranks.run(2, _on_the_users_mesh))

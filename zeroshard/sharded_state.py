@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 
 
 def device_mesh(root):
-    """The mesh of ``root``'s ranks (made once, then cached): 1-D over its
-    process group, or 2-D (replicate, shard) under hybrid sharding."""
-    mesh = root.__dict__.get("_zeroshard_mesh")
+    """The mesh of ``root``'s ranks: the user's ``device_mesh`` when one was given (as
+    torch's, so the DTensors mix with the user's own), else one made once and cached:
+    1-D over its process group, or 2-D (replicate, shard) under hybrid sharding."""
+    mesh = getattr(root, "_device_mesh", None) or root.__dict__.get("_zeroshard_mesh")
     if mesh is not None:
         return mesh
     from torch.distributed.device_mesh import DeviceMesh
