@@ -194,6 +194,53 @@ def test_autograd_grad_inside_the_root_forward(ranks):
     assert all(ranks.run(2, _grad_inside_forward))
 
 
+class Forces(nn.Module):
+    """A force field: forces = -dE/dx by torch.autograd.grad inside the forward (input gradients only)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.blocks, self.out = nn.Linear(8, 8), nn.Sequential(Block(8, 13), Block(8, 13)), nn.Linear(8, 1)
+
+    def energy(self, x):
+        return self.out(self.blocks(self.inp(x)))
+
+    def forward(self, x, forces=False):
+        if not forces:
+            return self.energy(x)
+        with torch.enable_grad():
+            x = x.detach().requires_grad_()
+            return -torch.autograd.grad(self.energy(x).sum(), x)[0]
+
+
+def _forces_then_training(rank, world_size, use_orig_params):
+    seen = []
+    for engine in ("torch", "zeroshard"):
+        lib, extra = (tfsdp, {"device_id": torch.device("cpu")}) if engine == "torch" else (zs, {})
+        torch.manual_seed(0)
+        m = lib.FullyShardedDataParallel(Forces(), use_orig_params=use_orig_params, **extra,
+                                         auto_wrap_policy=lib.wrap.ModuleWrapPolicy({Block}))
+        opt, trace = torch.optim.SGD(m.parameters(), lr=0.1), []
+        for step in range(3):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1000 * step + rank))
+            with torch.set_grad_enabled(step == 1):  # an evaluation; then an output discarded with grad on
+                trace.append(m(x, forces=True).detach())
+            m(x + 1).pow(2).mean().backward()
+            trace += [p.grad.clone() for p in m.parameters() if p.grad is not None]
+            opt.step()
+            opt.zero_grad()
+        seen.append(trace)
+    return len(seen[0]) == len(seen[1]) and all(torch.equal(a, b) for a, b in zip(*seen))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_autograd_grad_inside_a_forward_whose_backward_never_comes(ranks, use_orig_params):
+    """The nested autograd.grad ran the inner unit's pre-backward only: with no backward
+    of that forward to follow, the unit stayed in its backward state, and the next
+    forward took it for a checkpoint recomputation and skipped its all-gather
+    (FreedView errors, or a 1-D shard fed to a matmul)."""
+    assert all(ranks.run(2, _forces_then_training, use_orig_params))
+
+
 # ----------------------------------------- mixed precision, several uses of a unit
 class Reuse(nn.Module):
     """``blk`` runs twice in one forward (``twice``), or the whole model runs twice before one backward (siamese)."""

@@ -88,6 +88,8 @@ def root_pre_forward(state):
     rt = state._runtime
     if rt.callback_queued:  # the last backward never reached its end: it raised
         kept.recover_from_interrupted_backward(rt)
+    elif not _in_backward():
+        kept.drop_nested_backward_leftovers(rt)
     kept.drop_unused_prefetches(rt)
     kept.drop_stale_kept(rt)
     rt.post_forward_order.clear()

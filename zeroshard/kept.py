@@ -42,6 +42,22 @@ def recover_from_interrupted_backward(rt):
     rt.callback_queued = False
 
 
+@torch.no_grad()
+def drop_nested_backward_leftovers(rt):
+    """An ``autograd.grad`` inside a forward (forces = -dE/dx) runs the
+    pre-backward of the units it passes through, but neither their
+    post-backward (it asks for input gradients) nor the end-of-backward (queued
+    from the root's pre-backward only). When no backward of that forward
+    follows (an evaluation under no_grad, an output discarded), the units were
+    left gathered in their backward state, which the next forward took for a
+    checkpoint recomputation: it ran on stale or freed parameters. Reset them."""
+    for h in rt.handles:
+        if h.state.name in ("BACKWARD_PRE", "BACKWARD_POST"):
+            if h.unsharded and not h.always_full:
+                h.reshard(free=True)
+            h.end_iteration()
+
+
 def drop_unused_prefetches(rt):
     """Free units a forward prefetch gathered but that did not run (skipped
     this time). Left gathered, their next forward would reuse the copy even
