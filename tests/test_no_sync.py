@@ -113,13 +113,50 @@ def _step_inside_no_sync(rank, world_size, strategy, use_orig_params):
     return refused, untouched
 
 
-@pytest.mark.parametrize("strategy, use_orig_params", [("FULL_SHARD", False), ("FULL_SHARD", True), ("SHARD_GRAD_OP", False)])
+@pytest.mark.parametrize("strategy, use_orig_params", [("FULL_SHARD", False), ("FULL_SHARD", True), ("SHARD_GRAD_OP", False),
+                                                      ("NO_SHARD", True)])
 def test_step_on_an_unreduced_no_sync_gradient_names_the_fix(ranks, strategy, use_orig_params):
     """torch FSDP1 fails there with a bare size mismatch inside the optimizer
-    ('The size of tensor a (33) must match the size of tensor b (66)'); NO_SHARD
-    steps on the local gradient in both engines (its sizes agree)."""
+    ('The size of tensor a (33) must match the size of tensor b (66)'); under
+    NO_SHARD it steps each rank on its own gradient, and the replicas diverge."""
     for refused, untouched in ranks.run(2, _step_inside_no_sync, strategy, use_orig_params):
         assert refused is not None and refused.startswith("zeroshard: SGD.step() on unit "), refused
         assert "accumulated inside no_sync() and not yet reduced across ranks" in refused, refused
         assert "Fix: run the last micro-batch's forward and backward outside no_sync()" in refused, refused
         assert untouched
+
+
+class Skipping(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.blocks = torch.nn.Linear(5, 7), torch.nn.ModuleList(Block(7, 13) for _ in range(3))
+
+    def forward(self, x, skip=None):
+        x = self.inp(x)
+        for i, b in enumerate(self.blocks):
+            x = x if i == skip else b(x)
+        return x
+
+
+def _unit_skipped_by_the_synchronizing_backward(rank, world_size, strategy, use_orig_params):
+    torch.manual_seed(0)
+    model = zs.FSDP(Skipping(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params,
+                    sharding_strategy=zs.ShardingStrategy[strategy])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
+    with model.no_sync():
+        model(x).pow(2).sum().backward()  # every block accumulates locally
+    model(x, skip=1).pow(2).sum().backward()  # synchronizing, but blocks.1 does not run
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"unit 'blocks.1 \(Block\)'.*not yet reduced.*a unit it skips"):
+        opt.step()
+    return all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+@pytest.mark.parametrize("strategy, use_orig_params", [("FULL_SHARD", True), ("FULL_SHARD", False), ("NO_SHARD", False)])
+def test_a_unit_the_synchronizing_backward_skips_is_refused_at_step(ranks, strategy, use_orig_params):
+    """With use_orig_params its parameters got slices of the unreduced full-size
+    gradient cut at shard offsets, the right shapes, and the step applied them
+    silently (torch FSDP1 asserts); under NO_SHARD each rank stepped on its own
+    gradient (torch FSDP1 too)."""
+    assert all(ranks.run(2, _unit_skipped_by_the_synchronizing_backward, strategy, use_orig_params))

@@ -363,7 +363,13 @@ class FlatParamHandle(OrigParams, FullParams):
         if moved and low and self.flat_param.grad.dtype != self.compute_dtype:
             self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
         if self.use_orig_params:
-            self.use_sharded_grad_views()
+            if self.sharded and self.flat_param.grad is not None and self.flat_param.grad.numel() != self.layout.shard_numel:
+                # Accumulated inside no_sync() and not reduced since (the unit did not run in the synchronizing
+                # micro-batch): slices of it at shard offsets would pass for reduced shards. Full-size views
+                # let the optimizer check name the unit (validation._check_no_unreduced).
+                self.use_unsharded_grad_views()
+            else:
+                self.use_sharded_grad_views()
 
 
 def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, in_parameters: bool):

@@ -344,7 +344,7 @@ def post_backward(state, flat_param, through_graph=False):
     handle.reshard(free)
     if state.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
         _prefetch(state, handle, _backward_target(state._runtime, handle))
-    validation.note_unreduced(handle, handle.sharded and not state._sync_gradients)
+    validation.note_unreduced(handle, (handle.sharded or handle.world_size > 1) and not state._sync_gradients)
     if not state._sync_gradients:
         if handle.use_orig_params:
             handle.use_unsharded_grad_views()

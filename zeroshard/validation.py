@@ -101,20 +101,25 @@ def note_unreduced(handle, unreduced: bool) -> None:
 def _check_no_unreduced(optimizer):
     """Inside ``no_sync`` a sharded unit's gradient stays full-size and
     unreduced; a step then fails on a size mismatch deep in the optimizer
-    (torch FSDP1 too). Name the unit and the fix instead."""
+    (torch FSDP1 too), or, where the unit did not run in the synchronizing
+    micro-batch, torch asserts. A NO_SHARD unit's gradient has the right shape
+    but differs by rank: a step makes the replicas diverge silently (torch
+    FSDP1 too). Name the unit and the fix instead."""
     mine = {id(p) for group in optimizer.param_groups for p in group["params"]}
     for h in list(_unreduced):
         params = h.orig_params if h.use_orig_params else [h.flat_param]
         if all(p.grad is None for p in params):
             _unreduced.discard(h)  # discarded (zero_grad)
             continue
-        bad = next((p for p in params if id(p) in mine and p.grad is not None and p.grad.shape != p.shape), None)
+        bad = next((p for p in params if id(p) in mine and p.grad is not None
+                    and (not h.sharded or p.grad.shape != p.shape)), None)
         if bad is not None:
             raise RuntimeError(
                 f"zeroshard: {type(optimizer).__name__}.step() on unit '{h.unit_name}', whose gradient was accumulated "
                 f"inside no_sync() and not yet reduced across ranks (gradient shape {tuple(bad.grad.shape)}, parameter "
                 f"shape {tuple(bad.shape)}). Fix: run the last micro-batch's forward and backward outside no_sync() "
-                "(that backward reduce-scatters the accumulated gradient) before stepping, or zero_grad() to discard it.")
+                "(that backward reduces the accumulated gradient of every unit it runs through: a unit it skips "
+                "keeps its gradient unreduced) before stepping, or zero_grad() to discard it.")
 
 
 optimizer_steps = [0]  # optimizer.step() calls in this process (any optimizer): see kept.drop_stale_kept
