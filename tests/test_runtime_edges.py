@@ -533,3 +533,45 @@ def test_parameter_edits_on_a_low_precision_gathered_copy_are_reported(ranks):
     be written back exactly, so it is discarded with a warning naming the unit."""
     for same, said in ranks.run(2, _edit_after_forward_without_backward, "SHARD_GRAD_OP", torch.bfloat16):
         assert not same and any("edited in place while it held its gathered bfloat16 copy" in m for m in said), said
+
+
+def _flat_data_assignment(rank, world_size, strategy, warm):
+    from models import batch, build
+
+    x = batch("mlp", rank, 0)
+    plain = build("mlp")
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(0.5)
+        want = plain(x)
+    outs = {}
+    for engine in ("torch", "zeroshard"):
+        lib, extra = (tfsdp, {"device_id": torch.device("cpu")}) if engine == "torch" else (zs, {})
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = lib.FullyShardedDataParallel(build("mlp"), auto_wrap_policy=lib.wrap.ModuleWrapPolicy({Block}), **extra,
+                                             sharding_strategy=lib.ShardingStrategy[strategy])
+        if warm:
+            with torch.no_grad():
+                m(x)
+        with torch.no_grad():
+            for p in m.parameters():
+                p.data = p.data.clone() * 0.5  # a re-initialization by hand
+            outs[engine] = [m(x) for _ in range(3)]
+    ours = outs["zeroshard"]
+    if not warm:  # torch FSDP1 honours it before its first forward (after one: once, then the old shard again)
+        assert all(torch.equal(a, b) for a, b in zip(ours, outs["torch"]))
+    assert all(torch.equal(o, want) for o in ours)
+    flat = next(m.parameters())
+    flat.data = torch.zeros(flat.numel() + 1)
+    with pytest.raises(RuntimeError, match="FlatParameter's .data was replaced by a tensor of shape"):
+        m(x)
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+@pytest.mark.parametrize("warm", [False, True])
+def test_flat_parameter_data_assignment_is_honoured(ranks, strategy, warm):
+    """use_orig_params=False: p.data = t on a FlatParameter was ignored (each gather read
+    the old shard, and the next reshard put it back)."""
+    assert all(ranks.run(2, _flat_data_assignment, strategy, warm))

@@ -181,6 +181,7 @@ class FlatParamHandle(OrigParams, FullParams):
         torch FSDP1 does before its first forward. Called before every unshard."""
         now = (self.orig_params[0] if self.use_orig_params else self.flat_param).dtype
         if now == self.dtype:
+            self._follow_data_assignment()
             return
         if self.unsharded and not self.always_full or self.flat_param.grad is not None:
             raise RuntimeError(f"zeroshard: unit '{self.unit_name}' was cast from {self.dtype} to {now} while it holds "
@@ -196,6 +197,26 @@ class FlatParamHandle(OrigParams, FullParams):
             self.use_unsharded_views()
         else:
             self._placeholder_views()
+
+    def _follow_data_assignment(self):
+        """``flat_param.data = t`` between steps (a re-initialization, weights loaded by
+        hand) replaced the shard the next all-gather reads: adopt ``t`` as the shard, as
+        torch FSDP1 does before its first forward (it was ignored, and the next reshard
+        put the old shard back)."""
+        if self.use_orig_params or (self.unsharded and not self.always_full):
+            return
+        data = self.flat_param.data
+        if data.data_ptr() == self.local_shard.data_ptr() and data.shape == self.local_shard.shape:
+            return
+        if data.shape != self.local_shard.shape or data.device != self.local_shard.device:
+            raise RuntimeError(f"zeroshard: unit '{self.unit_name}': its FlatParameter's .data was replaced by a tensor of "
+                               f"shape {tuple(data.shape)} on {data.device}, but it holds this rank's shard of shape "
+                               f"{tuple(self.local_shard.shape)} on {self.local_shard.device}. Fix: assign a tensor of that "
+                               "shape and device, or copy_ into the parameter under torch.no_grad().")
+        self.local_shard = data
+        if self.always_full:  # NO_SHARD computes on the shard itself
+            self._full = data
+            self.use_unsharded_views()
 
     def _placeholder_views(self):
         """While the unit is sharded (use_orig_params=False) each module attribute
