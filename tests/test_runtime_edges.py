@@ -575,3 +575,41 @@ def test_flat_parameter_data_assignment_is_honoured(ranks, strategy, warm):
     """use_orig_params=False: p.data = t on a FlatParameter was ignored (each gather read
     the old shard, and the next reshard put it back)."""
     assert all(ranks.run(2, _flat_data_assignment, strategy, warm))
+
+
+class _Queries(nn.Module):
+    """Returns a view of its own parameter, as learned queries often are."""
+
+    def __init__(self):
+        super().__init__()
+        self.q, self.pad = nn.Parameter(torch.randn(5, 7)), nn.Parameter(torch.randn(300))
+
+    def forward(self, b):
+        return self.q.unsqueeze(0).expand(b, -1, -1)
+
+
+class _WithQueries(nn.Module):
+    def __init__(self, copy_out=False):
+        super().__init__()
+        self.qs, self.lin, self.copy_out = _Queries(), nn.Linear(7, 3), copy_out
+
+    def forward(self, x):
+        q = self.qs(x.shape[0])
+        return self.lin((q.clone() if self.copy_out else q) + x.unsqueeze(1))
+
+
+def _output_views_a_freed_parameter(rank, world_size, use_orig_params):
+    m = zs.FSDP(_WithQueries(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({_Queries}), use_orig_params=use_orig_params)
+    x = torch.randn(4, 7)
+    for grad in (True, False):
+        with torch.set_grad_enabled(grad), pytest.raises(RuntimeError, match=r"unit 'qs \(_Queries\)' returned a view of "
+                                                                             r"its own parameters.*Fix: return a copy"):
+            m(x)
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_a_unit_returning_a_view_of_its_parameters_is_refused(ranks, use_orig_params):
+    """The view pointed into the buffer the unit's reshard frees right after: torch
+    FSDP1 (and zeroshard before) segfaulted at the next read."""
+    assert all(ranks.run(2, _output_views_a_freed_parameter, use_orig_params))
