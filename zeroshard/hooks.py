@@ -206,7 +206,7 @@ def post_forward(state, output):
         zero2_kept = torch.is_grad_enabled() and handle.sharded and handle.strategy not in RESHARD_AFTER_FORWARD
         free = not keep and not handle.graph_kept
         if free and handle.sharded and handle.unsharded:
-            _refuse_outputs_on_the_freed_buffer(handle, output)
+            validation.refuse_outputs_on_the_freed_buffer(handle, _tensors_in(output))
         handle.reshard(free=free, sharded_views=not zero2_kept)
         if keep and handle.sharded and not recompute:
             handle.kept_version = handle.shard_version()
@@ -220,23 +220,6 @@ def post_forward(state, output):
         state._runtime.forward_pending = True
     _register_pre_backward(state, output)
     return output
-
-
-def _refuse_outputs_on_the_freed_buffer(handle, output) -> None:
-    """A unit returning a view of its own parameter (``self.q.expand(b, -1, -1)``)
-    hands out memory its reshard is about to free: the next reader segfaults or
-    reads garbage (torch FSDP1 too). Name the unit and the fix instead."""
-    buf = handle._full.untyped_storage().data_ptr()
-    for t in _tensors_in(output):
-        try:
-            shared = t.numel() > 0 and t.untyped_storage().data_ptr() == buf
-        except (RuntimeError, NotImplementedError):  # no storage of its own (a subclass, a functorch wrapper)
-            continue
-        if shared:
-            raise RuntimeError(f"zeroshard: unit '{handle.unit_name}' returned a view of its own parameters (shape "
-                               f"{tuple(t.shape)}), whose memory is freed when the unit reshards after its forward. "
-                               "Fix: return a copy (.clone()) or a result computed from them, or keep this module "
-                               "inside its parent's unit.")
 
 
 def _tensors_in(obj) -> list[torch.Tensor]:

@@ -262,3 +262,20 @@ def check_homogeneous(states):
             raise ValueError(f"zeroshard: the units under one root disagree on {name}: the root's is "
                              f"{getattr(states[0], attr)}, units wrapping {', '.join(odd)} differ. Fix: wrap every unit with the same {name} "
                              "(auto_wrap_policy passes the root's settings on).")
+
+
+def refuse_outputs_on_the_freed_buffer(handle, outputs) -> None:
+    """A unit returning a view of its own parameter (``self.q.expand(b, -1, -1)``)
+    hands out memory its reshard is about to free: the next reader segfaults or
+    reads garbage (torch FSDP1 too). Name the unit and the fix instead."""
+    buf = handle._full.untyped_storage().data_ptr()
+    for t in outputs:
+        try:
+            shared = t.numel() > 0 and t.untyped_storage().data_ptr() == buf
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a subclass, a functorch wrapper)
+            continue
+        if shared:
+            raise RuntimeError(f"zeroshard: unit '{handle.unit_name}' returned a view of its own parameters (shape "
+                               f"{tuple(t.shape)}), whose memory is freed when the unit reshards after its forward. "
+                               "Fix: return a copy (.clone()) or a result computed from them, or keep this module "
+                               "inside its parent's unit.")
