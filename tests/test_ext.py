@@ -24,6 +24,7 @@ except ImportError:
 needs_ext = pytest.mark.skipif(
     not HAVE_EXT, reason="zeroshard._C not built (pip install --no-build-isolation -e .)"
 )
+BACKENDS = [pytest.param("ext", marks=needs_ext), "python"]
 SETTINGS = settings(
     max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow]
 )
@@ -222,10 +223,8 @@ def test_large_parallel_chunks(four_threads, dtype):
         assert same_bytes(o, t)
 
 
-@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_inputs(backend):
-    if backend == "ext" and not HAVE_EXT:
-        pytest.skip("zeroshard._C not built")
     flat = torch.arange(4.0)
     assert run(backend, ext.flatten_into, [], [], flat) is flat
     assert torch.equal(flat, torch.arange(4.0))
@@ -238,10 +237,8 @@ def test_empty_inputs(backend):
     assert u.shape == (2, 0)
 
 
-@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_validation_errors(backend):
-    if backend == "ext" and not HAVE_EXT:
-        pytest.skip("zeroshard._C not built")
     flat = torch.zeros(10)
     bad = [
         (ext.flatten_into, ([torch.ones(3, dtype=torch.float16)], [0], flat), "dtype"),
@@ -285,12 +282,10 @@ def test_freed_storage_is_rejected():
         run("ext", ext.unflatten_into, torch.zeros(4), [0], [src])
 
 
-@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_aliasing_and_autograd(backend):
     """Params that already view the FlatParameter copy onto themselves; writes are raw
     data movement (no autograd graph) but bump version counters like copy_."""
-    if backend == "ext" and not HAVE_EXT:
-        pytest.skip("zeroshard._C not built")
     flat = torch.nn.Parameter(torch.arange(10.0))
     views = [flat.detach()[0:4].view(2, 2), flat.detach()[4:10]]
     v0 = flat._version
@@ -303,11 +298,9 @@ def test_aliasing_and_autograd(backend):
     assert flat.grad_fn is None and torch.equal(flat.detach()[:4], torch.ones(4))
 
 
-@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_conj_and_neg_views_are_resolved(backend):
     """A conj/neg view's bytes are not its values: both paths must copy values."""
-    if backend == "ext" and not HAVE_EXT:
-        pytest.skip("zeroshard._C not built")
     z = torch.randn(6, dtype=torch.complex64)
     srcs = [z.conj(), z.conj().imag]
     assert srcs[0].is_conj() and srcs[1].is_neg()
@@ -584,13 +577,11 @@ def test_zero_tensor_flat_functionalize_and_freed_sources_do_not_crash():
     assert proc.returncode == 0 and proc.stdout.strip() == "[True, True, True]", (proc.returncode, proc.stderr[-2000:])
 
 
-@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_conj_and_neg_flat_and_functorch_tensors(backend):
     """flat's own conj/neg bit was ignored (the extension copied the stored bytes, not the
     values); vmap's and grad's wrappers raised NotImplementedError. All now take the
     pure-torch path, so both backends give torch's values."""
-    if backend == "ext" and not HAVE_EXT:
-        pytest.skip("zeroshard._C not built")
     flat = torch.zeros(2, dtype=torch.complex64).conj()
     run(backend, ext.flatten_into, [torch.tensor([1 + 2j, 3 + 4j])], [0], flat)
     assert flat.tolist() == [1 + 2j, 3 + 4j]
@@ -632,13 +623,11 @@ def test_lazy_clones_are_written_apart_and_read_in_place():
     assert ext.unflatten(src, [0], [(4,)])[0].tolist() == [0.0, 1.0, 2.0, 3.0] and torch._C._is_cow_tensor(src)
 
 
-@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_refused_writes_raise_before_anything_is_written(backend):
     """A member that partly overlaps its own range of flat was memcpy'd over itself
     (copy_ refuses it); an expanded or zero-tensor destination listed before a good
     one let the extension write the good one, then raise from copy_."""
-    if backend == "ext" and not HAVE_EXT:
-        pytest.skip("zeroshard._C not built")
     flat = torch.arange(64.0)
     with pytest.raises(RuntimeError, match="single memory location"):
         run(backend, ext.flatten_into, [flat[0:40]], [8], flat)
@@ -676,12 +665,10 @@ def test_tensor_without_version_counter_inside_inference_mode(four_threads):
         assert torch.equal(a, src[:n]) and torch.equal(x, src[n:]), how
 
 
-@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_unflatten_checks_every_shape_before_allocating(backend):
     """The extension allocated every output before any bounds check: a bad request
     allocated (here: would allocate 4 TB) before its ValueError."""
-    if backend == "ext" and not HAVE_EXT:
-        pytest.skip("zeroshard._C not built")
     flat = torch.zeros(4)
     with pytest.raises(ValueError, match=r"shapes\[1\].*out of bounds"):
         run(backend, ext.unflatten, flat, [0, 0], [(2,), (1 << 40,)])
@@ -689,10 +676,8 @@ def test_unflatten_checks_every_shape_before_allocating(backend):
         run(backend, ext.unflatten, flat, [0], [(1 << 40, 1 << 40)])  # overflows int64
 
 
-@pytest.mark.parametrize("backend", ["ext", "python"])
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_offsets_must_be_ints(backend):
-    if backend == "ext" and not HAVE_EXT:
-        pytest.skip("zeroshard._C not built")
     flat = torch.zeros(4)
     with pytest.raises(TypeError):
         run(backend, ext.flatten_into, [torch.ones(2)], [True], flat)

@@ -199,8 +199,9 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
          load_lr_scheduler_states: bool = True, load_module_only: bool = False):
     """``Engine.load_checkpoint``: ``(load_path, client_state)``; ``(None, None)``
     with a warning if ``tag`` is None and no ``latest`` file names one (as in
-    DeepSpeed), a ``ValueError`` if the tag has no checkpoint. Everything is
-    read and checked before the engine is changed."""
+    DeepSpeed), a ``ValueError`` if the tag has no checkpoint. The optimizer
+    state is read and checked before the engine is changed (for the weights,
+    see the module docstring)."""
     load_dir = os.fspath(load_dir)
     if tag is None:
         latest = os.path.join(load_dir, "latest")
@@ -256,4 +257,3 @@ def _check_groups(optimizer, osd: dict, folder: str) -> None:
         raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {folder} has param groups of {saved} "
                          f"parameters, this engine's optimizer {own}. Fix: build the optimizer with the param groups "
                          "used when saving, or load_optimizer_states=False.")
-

@@ -205,9 +205,9 @@ class FlatParamHandle(OrigParams, FullParams):
         put the old shard back)."""
         if self.use_orig_params or (self.unsharded and not self.always_full):
             return
-        data = self.flat_param.data
-        if data.data_ptr() == self.local_shard.data_ptr() and data.shape == self.local_shard.shape:
+        if self.flat_param.data_ptr() == self.local_shard.data_ptr() and self.flat_param.shape == self.local_shard.shape:
             return
+        data = self.flat_param.data
         if data.shape != self.local_shard.shape or data.device != self.local_shard.device:
             raise RuntimeError(f"zeroshard: unit '{self.unit_name}': its FlatParameter's .data was replaced by a tensor of "
                                f"shape {tuple(data.shape)} on {data.device}, but it holds this rank's shard of shape "
@@ -384,13 +384,7 @@ class FlatParamHandle(OrigParams, FullParams):
         if moved and low and self.flat_param.grad.dtype != self.compute_dtype:
             self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
         if self.use_orig_params:
-            if self.sharded and self.flat_param.grad is not None and self.flat_param.grad.numel() != self.layout.shard_numel:
-                # Accumulated inside no_sync() and not reduced since (the unit did not run in the synchronizing
-                # micro-batch): slices of it at shard offsets would pass for reduced shards. Full-size views
-                # let the optimizer check name the unit (validation._check_no_unreduced).
-                self.use_unsharded_grad_views()
-            else:
-                self.use_sharded_grad_views()
+            self.use_grad_views()
 
 
 def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, in_parameters: bool):

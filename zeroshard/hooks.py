@@ -212,7 +212,7 @@ def post_forward(state, output):
             handle.kept_version = handle.shard_version()
         # torch re-points the grads too (NO_SHARD included: a frozen parameter's grad goes back to None)
         if handle.use_orig_params and not recompute and not zero2_kept:
-            handle.use_grad_views_after_forward()
+            handle.use_grad_views()
         handle.state = HandleState.IDLE
     if state._is_root and not torch.is_grad_enabled():  # no backward will come to free them
         kept.drop_unused_prefetches(state._runtime)

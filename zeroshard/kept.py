@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, reduce
+from .handle import HandleState
 
 
 @torch.no_grad()
@@ -52,7 +53,7 @@ def drop_nested_backward_leftovers(rt):
     left gathered in their backward state, which the next forward took for a
     checkpoint recomputation: it ran on stale or freed parameters. Reset them."""
     for h in rt.handles:
-        if h.state.name in ("BACKWARD_PRE", "BACKWARD_POST"):
+        if h.state in (HandleState.BACKWARD_PRE, HandleState.BACKWARD_POST):
             if h.unsharded and not h.always_full:
                 h.reshard(free=True)
             h.end_iteration()

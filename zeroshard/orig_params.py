@@ -93,9 +93,13 @@ class OrigParams:
         stretch of this rank's flat buffer: the 1-D slice itself, or the full one in memory order."""
         return x.reshape(-1) if self.sharded else info.flat_of(x)
 
-    def use_grad_views_after_forward(self):
-        """After a forward, re-point the grads at the flat gradient, as torch
-        does: unsharded views while ``no_sync`` accumulates an unsharded one."""
+    def use_grad_views(self):
+        """Re-point the grads at the flat gradient (after a forward, as torch does,
+        and after a synchronized backward): unsharded views while it is the
+        unsharded one ``no_sync`` accumulated and nothing reduced since (a unit
+        the synchronizing backward skipped), whose slices at shard offsets would
+        pass for reduced shards; the optimizer check then names the unit
+        (validation._check_no_unreduced)."""
         g = self.flat_param.grad
         if self.sharded and g is not None and g.numel() == self.layout.numel != self.local_shard.numel():
             self.use_unsharded_grad_views()

@@ -220,7 +220,6 @@ class ZeroOneOptimizer:
         hparams = [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
         return {"groups": groups, "param_groups": hparams}
 
-    @torch.no_grad()
     def check_state_dict(self, sd: dict) -> None:
         """Raise, changing nothing, if :meth:`load_state_dict` could not take ``sd``."""
         if len(sd["groups"]) != len(self.partitions):
@@ -232,6 +231,7 @@ class ZeroOneOptimizer:
                 raise ValueError(f"zeroshard: param group {gi} of the ZeRO-1 checkpoint holds {got} elements but this "
                                  f"model's group has {part.layout.numel}. Fix: load a checkpoint of the same model.")
 
+    @torch.no_grad()
     def load_state_dict(self, sd: dict) -> None:
         """Cut a :meth:`state_dict` (saved at any world size) into this rank's chunks."""
         self.check_state_dict(sd)  # before the first group is written
