@@ -160,3 +160,48 @@ def test_a_unit_the_synchronizing_backward_skips_is_refused_at_step(ranks, strat
     silently (torch FSDP1 asserts); under NO_SHARD each rank stepped on its own
     gradient (torch FSDP1 too)."""
     assert all(ranks.run(2, _unit_skipped_by_the_synchronizing_backward, strategy, use_orig_params))
+
+
+def _summon_between_micro_steps(rank, world_size, strategy):
+    x = torch.randn(4, MLP_KW["d_in"], generator=torch.Generator().manual_seed(rank))
+    seen = {}
+    for engine in ("zeroshard", "torch"):
+        model = _build(engine, strategy, use_orig_params=True)
+        with model.no_sync():
+            model(x).pow(2).sum().backward()
+        accumulated = _grads(model, True)
+        with type(model).summon_full_params(model):  # e.g. a full state dict between micro-steps
+            pass
+        after_summon = _grads(model, True)
+        refusal = None
+        if engine == "zeroshard":  # torch asserts "Expects tensor to be sharded" here, leaving its state undefined
+            shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+            with pytest.raises(RuntimeError, match=r"summon_full_params\(with_grads=True\) on unit '<root> \(MLP\)'") as e:
+                with zs.FSDP.summon_full_params(model, with_grads=True):
+                    pass
+            refusal = str(e.value)
+            assert {n: tuple(p.shape) for n, p in model.named_parameters()} == shapes  # left as it was
+            assert all(torch.equal(a, b) for a, b in zip(_grads(model, True).values(), accumulated.values()))
+        model(x).pow(2).sum().backward()  # the synchronizing micro-step
+        seen[engine] = (accumulated, after_summon, _grads(model, True), refusal)
+    return seen
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_summon_between_no_sync_micro_steps_keeps_the_accumulated_grads(ranks, strategy):
+    """Leaving summon_full_params re-pointed the original parameters' .grad at
+    shard-offset slices of the unreduced full-size gradient: flat, wrong
+    stretches, until the next forward. torch FSDP1 leaves them as the no_sync
+    backward made them; so does zeroshard now. with_grads=True there has no
+    shard to gather: torch asserts, zeroshard refuses on every rank before
+    touching the unit."""
+    for seen in ranks.run(2, _summon_between_micro_steps, strategy):
+        for i, what in enumerate(("after the no_sync backward", "after summon_full_params", "after the synchronizing backward")):
+            ours, ref = seen["zeroshard"][i], seen["torch"][i]
+            assert ours.keys() == ref.keys()
+            for name in ours:
+                a, b = ours[name], ref[name]
+                assert (a is None) == (b is None), (what, name)
+                if a is not None:
+                    assert a.shape == b.shape and torch.equal(a, b), f"{what}, {name}: {tuple(a.shape)} vs torch {tuple(b.shape)}"
+        assert "Fix: run a synchronizing backward" in seen["zeroshard"][3]

@@ -24,6 +24,8 @@ class FullParams:
         """Gather the full parameters and register them under their original
         names as ``nn.Parameter``s (for summon_full_params / state dicts).
         Returns what :meth:`exit_full_params` needs to undo it."""
+        # Asked before anything changes: a refusal must leave the unit as it was.
+        any_grad = self._any_rank_has_grad() if with_grads else False
         self.follow_cast()
         self.writeback_orig_params()
         if self.unsharded and not self.always_full:
@@ -49,25 +51,36 @@ class FullParams:
             _register(info.module, info.name, p)
         for info in self.layout.shared:
             _register(info.module, info.name, params[info.prim_index])
-        if with_grads:
+        if with_grads and any_grad:
             undo["grads"] = self._gather_full_grads(params)
         return undo
 
-    def _gather_full_grads(self, params) -> torch.Tensor | None:
-        """The full flat gradient, with ``params``' grads viewing it; None if no rank has one."""
+    def _any_rank_has_grad(self) -> bool:
+        """Whether any rank holds a gradient for this unit (one all-reduce when sharded,
+        so that every rank joins the gradient all-gather or none does); every rank
+        refuses if any holds a ``no_sync`` gradient: full-size and unreduced, it is no shard."""
+        g = self.flat_param.grad
+        if not self.sharded:
+            return g is not None
+        unreduced = g is not None and g.numel() != self.local_shard.numel()
+        have = torch.tensor([g is not None, unreduced], dtype=torch.int32, device=self.local_shard.device)
+        comm.all_reduce(have, self.group, op=dist.ReduceOp.MAX, what=f"summon_full_params(with_grads) of unit '{self.unit_name}'")
+        if have[1].item():
+            raise RuntimeError(
+                f"zeroshard: summon_full_params(with_grads=True) on unit '{self.unit_name}', whose gradient was "
+                "accumulated inside no_sync() and not yet reduced across ranks (on at least one rank): there is no "
+                "gradient shard to gather. Fix: run a synchronizing backward (outside no_sync()) first, or use "
+                "with_grads=False: the parameters' .grad then still show this rank's accumulated gradient.")
+        return bool(have[0].item())
+
+    def _gather_full_grads(self, params) -> torch.Tensor:
+        """The full flat gradient (some rank has one), with ``params``' grads viewing it."""
         g = self.flat_param.grad
         if self.sharded:
-            # Every rank joins the all-gather if any has a gradient (zeros stand in for a missing one).
-            have = torch.tensor([g is not None], dtype=torch.int32, device=self.local_shard.device)
-            comm.all_reduce(have, self.group, op=dist.ReduceOp.MAX, what=f"summon_full_params(with_grads) of unit '{self.unit_name}'")
-            if not have.item():
-                return None
             g = g if g is not None else torch.zeros_like(self.local_shard)
             full = g.new_empty(self.layout.padded_numel)
             comm.all_gather(full, g, self.group, async_op=False, what=f"summon_full_params(with_grads) of unit '{self.unit_name}'")
             g = full
-        elif g is None:
-            return None
         for p, info in zip(params, self.layout.params):
             view = info.unflat(g[info.offset : info.offset + info.numel])
             p.grad = None
@@ -96,7 +109,7 @@ class FullParams:
                 self._placeholder_views()
         self.reshard(free=not undo["was_unsharded"])
         if self.use_orig_params:
-            self.use_sharded_grad_views()
+            self.use_grad_views()  # a no_sync gradient still unreduced keeps its unsharded views
 
 
 def _register(module: nn.Module, name: str, param: nn.Parameter):
