@@ -18,6 +18,7 @@ and checkpoints that resume bit-exactly.
 from __future__ import annotations
 
 import contextlib
+import math
 import copy
 import os
 import warnings
@@ -79,7 +80,7 @@ def _against_reference(rank, world_size, stage, accum, clip, steps=3, fp16=False
     with zs.comm_stats() as stats:
         engine, opt, _, sched = _engine(stage, accum=accum, clip=clip, **extra)
         stats.calls.clear(), stats.bytes.clear()  # count the training steps only
-        exact, max_diff, norms = True, 0.0, []
+        exact, max_diff, norms, norm_exact, norm_rel = True, 0.0, [], True, 0.0
         for step in range(steps):
             for micro in range(accum):
                 x = batch("mlp", rank, step * accum + micro)
@@ -99,10 +100,13 @@ def _against_reference(rank, world_size, stage, accum, clip, steps=3, fp16=False
                 for p in ref.parameters():
                     if p.grad is not None:  # None: a parameter with no element on this rank
                         p.grad.mul_(1.0 / scale)
-            if clip:
-                norm_ref = ref.clip_grad_norm_(clip) if stage >= 2 else torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
-                exact &= torch.equal(norm_ref, engine.get_global_grad_norm())
-                norms.append(norm_ref.item())
+            # Without clipping the engine still reports the norm (DeepSpeed's ZeRO optimizers compute it unasked).
+            norm_ref = (ref.clip_grad_norm_(clip or math.inf) if stage >= 2
+                        else torch.nn.utils.clip_grad_norm_(ref.parameters(), clip or math.inf))
+            norm = engine.get_global_grad_norm()
+            norm_exact &= torch.equal(norm_ref.float(), norm.float())
+            norm_rel = max(norm_rel, ((norm_ref - norm) / norm_ref).abs().item())
+            norms.append(norm_ref.item())
             opt_ref.step()
             sched_ref.step()
             opt_ref.zero_grad()
@@ -113,7 +117,7 @@ def _against_reference(rank, world_size, stage, accum, clip, steps=3, fp16=False
                 exact &= torch.equal(a, b)
                 max_diff = max(max_diff, (a - b).abs().max().item() if a.numel() else 0.0)
     assert engine.global_steps == steps and engine.micro_steps == steps * accum
-    out = {"exact": exact, "max_diff": max_diff, "norms": norms}
+    out = {"exact": exact, "max_diff": max_diff, "norms": norms, "norm_exact": norm_exact, "norm_rel": norm_rel}
     if stage == 1:  # ZeRO-1's own claims: 1/N of the optimizer state, DDP's communication volume
         part = engine.zero1.parts[0]
         padded = part.layout.padded_numel
@@ -131,8 +135,17 @@ def test_sharded_and_ddp_stages_equal_torch_bit_exactly(ranks, world_size, stage
     """Stages 2/3 vs torch FSDP1, stage 0 vs DDP: accumulation 2, clipping, WarmupLR."""
     results = ranks.run(world_size, _against_reference, stage, 2, 0.05)
     for r in results:
-        assert r["exact"], r
+        assert r["exact"] and r["norm_exact"], r
         assert all(n > 0.05 for n in r["norms"])  # clipping was active
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_unclipped_steps_equal_torch_and_report_the_norm(ranks, stage):
+    """gradient_clipping 0: no clipping, and get_global_grad_norm() is still the
+    global norm of the step's gradients (it returned None)."""
+    for r in ranks.run(2, _against_reference, stage, 2, 0.0):
+        assert r["exact"] and r["norm_exact"], r
+        assert all(n > 0 for n in r["norms"])
 
 
 @pytest.mark.parametrize("stage", [3, 2])
@@ -140,7 +153,7 @@ def test_fp16_loss_scaling_equals_torch_fsdp_with_manual_scaling(ranks, stage):
     """fp16 compute and reduction, loss x 2**10 before backward, gradients x 2**-10
     before clipping: the engine equals torch FSDP1 doing the same by hand."""
     for r in ranks.run(2, _against_reference, stage, 2, 0.05, 3, True):
-        assert r["exact"], r
+        assert r["exact"] and r["norm_exact"], r
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -154,6 +167,8 @@ def test_zero1_equals_ddp(ranks, world_size):
     if world_size == 2:
         assert all(r["exact"] for r in unclipped), unclipped
     assert all(r["max_diff"] <= 1e-7 for r in unclipped), unclipped
+    # The norm of flat master chunks vs of per-parameter tensors: the same sum in another order.
+    assert all(r["norm_rel"] <= 1e-6 and all(n > 0 for n in r["norms"]) for r in unclipped), unclipped
 
 
 def _zero1_default_group(rank, world_size):
@@ -749,3 +764,33 @@ def test_a_failed_load_changes_nothing(ranks, tmp_path, stage):
     """An optimizer state that does not fit raised only after the weights were loaded
     (16 of 17 tensors overwritten at stage 3): it is now checked first."""
     assert all(ranks.run(2, _failed_load_changes_nothing, stage, str(tmp_path)))
+
+
+def _step_without_backward(rank, world_size, stage, precision):
+    extra = {precision: {"enabled": True}} if precision else {}
+    engine, opt, _, _ = _engine(stage, accum=1, **extra)
+    params = lambda: [p.detach().clone() for p in engine.module.parameters()]  # noqa: E731
+    before = params()
+    engine.step()  # no backward on any rank
+    untouched = all(torch.equal(a, b) for a, b in zip(before, params()))
+    no_state = not any(opt.state.values())
+    norm_without = float(engine.get_global_grad_norm())
+    x = batch("mlp", rank, 0)
+    if rank == 0 or stage != 1:  # ZeRO-1: a backward on one rank only; the others contribute zeros, every rank steps
+        engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    stepped = not all(torch.equal(a, b) for a, b in zip(before, params()))
+    return untouched, no_state, norm_without, stepped, [p.detach().clone() for p in engine.module.parameters()]
+
+
+@pytest.mark.parametrize("stage, precision", [(1, None), (0, "bf16"), (1, "bf16"), (0, None), (3, None)])
+def test_a_step_without_any_backward_changes_nothing(ranks, stage, precision):
+    """ZeRO-1 (also stage 0's bf16 master) filled missing gradients with zeros and
+    stepped: AdamW's weight decay and step count moved every weight of a model
+    that had no gradient at all (DeepSpeed's stages 1-3 fail with a KeyError
+    there; its stage 0 and torch optimizers skip parameters without .grad)."""
+    results = ranks.run(2, _step_without_backward, stage, precision)
+    for untouched, no_state, norm_without, stepped, _ in results:
+        assert untouched and no_state and norm_without == 0.0 and stepped
+    if stage < 2:  # replicated parameters (stage 3's are this rank's shards)
+        assert all(torch.equal(a, b) for a, b in zip(results[0][4], results[1][4]))

@@ -54,6 +54,7 @@ written atomically; see ``ds_checkpoint``.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 
 import torch
@@ -61,7 +62,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from . import comm, ds_checkpoint, ext, materialize
+from . import comm, ds_checkpoint, ext, grad_norm, materialize
 from .ds_config import ConfigGetters, build_optimizer, load_config
 from .lr_schedules import build_scheduler
 from .fully_sharded import FullyShardedDataParallel
@@ -317,10 +318,15 @@ class Engine(ConfigGetters, nn.Module):
         self._step_applied = not overflow
         if overflow:
             self.skipped_steps += 1
+            self._global_grad_norm = float("inf")  # as DeepSpeed's ZeRO and fp16/bf16 optimizers report it
         else:
-            if self.config.gradient_clipping > 0:
-                self._global_grad_norm = self._clip(self.config.gradient_clipping)
-            (self.zero1 or self.optimizer).step()
+            # The pre-clip norm at every step (DeepSpeed's ZeRO optimizers compute it unasked); inf: no clipping.
+            clip = self.config.gradient_clipping
+            self._global_grad_norm = self._clip(clip if clip > 0 else math.inf)
+            if self.zero1 is None:
+                self.optimizer.step()
+            elif self.zero1.any_grads:  # else no backward on any rank: the filled-in zeros would still decay weights
+                self.zero1.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
         self.zero_grad()
@@ -328,8 +334,14 @@ class Engine(ConfigGetters, nn.Module):
         self.global_samples += self.train_batch_size()
 
     def _clip(self, max_norm: float) -> torch.Tensor:
+        """The global gradient norm, clipping to ``max_norm`` (inf: the norm alone, gradients untouched)."""
         if self.zero1 is not None:
             return self.zero1.clip_grad_norm_(max_norm)
+        if max_norm == math.inf:
+            if self.stage >= 2:
+                return grad_norm.total_norm(self.wrapped)
+            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+            return torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
         if self.stage >= 2:
             return self.wrapped.clip_grad_norm_(max_norm)
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)

@@ -32,7 +32,30 @@ def clip_grad_norm_(root, max_norm: float, norm_type: float = 2.0) -> torch.Tens
     handles = root._runtime.handles
     if all(not h.sharded for h in handles):
         return torch.nn.utils.clip_grad_norm_(root.parameters(), max_norm, norm_type)
-    max_norm, norm_type = float(max_norm), float(norm_type)
+    total, grads = _total_norm(root, float(norm_type))
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    for g in grads:
+        g.mul_(coef.to(g.device, g.dtype))
+    if not grads:
+        # torch's warning, word for word: with no local gradient the dtype is fp32 whatever the others'.
+        warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- returning the total "
+                      f"norm in the default dtype {total.dtype}", stacklevel=4)
+        return total
+    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
+
+
+@torch.no_grad()
+def total_norm(root, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm :func:`clip_grad_norm_` would return (in fp32), gradients untouched
+    (collective when a unit is sharded)."""
+    if all(not h.sharded for h in root._runtime.handles):
+        grads = [p.grad for p in root.parameters() if p.grad is not None]
+        return torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
+    return _total_norm(root, float(norm_type))[0]
+
+
+def _total_norm(root, norm_type: float):
+    handles = root._runtime.handles
     sharded, nonsharded, seen, grads = [], [], set(), []
 
     def take(p, target):
@@ -61,12 +84,4 @@ def clip_grad_norm_(root, max_norm: float, norm_type: float = 2.0) -> torch.Tens
         if extra is not None:
             total += extra**norm_type
         total = total ** (1.0 / norm_type)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.device, g.dtype))
-    if not grads:
-        # torch's warning, word for word: with no local gradient the dtype is fp32 whatever the others'.
-        warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- returning the total "
-                      f"norm in the default dtype {total.dtype}", stacklevel=4)
-        return total
-    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
+    return total, grads

@@ -120,6 +120,7 @@ class ZeroOneOptimizer:
         A parameter without ``.grad`` contributes zeros: its elements are still
         stepped with the chunk (as in DeepSpeed; DDP would skip the parameter)."""
         pending = []
+        self.had_grads = any(p.grad is not None for p in self.model_params())  # this rank's; see clip_grad_norm_
         for part in self.parts:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in part.params]
             flat = ext.flatten(grads, part.offsets, part.layout.padded_numel)
@@ -142,20 +143,22 @@ class ZeroOneOptimizer:
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the master chunks' gradients by the global norm (padding holds zeros, so it adds nothing)."""
+        """Clip the master chunks' gradients by the global norm (padding holds zeros, so it adds nothing).
+        The same all-reduce tells every rank whether any rank had a gradient before
+        :meth:`reduce_gradients` filled in zeros (``any_grads``: else nothing to step)."""
         grads = self.master_grads()
         device = self.parts[0].master.device if self.parts else torch.device("cpu")
         norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
         local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
-        if norm_type == float("inf"):
-            total = local
-            if self.world > 1:
-                comm.all_reduce(total, self.group, op=dist.ReduceOp.MAX, what="ZeRO-1 clip_grad_norm_ (max norm)")
-        else:
-            total = local**norm_type
-            if self.world > 1:
-                comm.all_reduce(total, self.group, what="ZeRO-1 clip_grad_norm_ (sum of squares)")
-            total = total ** (1.0 / norm_type)
+        inf = norm_type == float("inf")
+        both = torch.stack([local if inf else local**norm_type, torch.tensor(float(getattr(self, "had_grads", True)), device=device)])
+        if self.world > 1:
+            comm.all_reduce(both, self.group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                            what=f"ZeRO-1 clip_grad_norm_ ({'max norm' if inf else 'sum of squares'})")
+        total = both[0] if inf else both[0] ** (1.0 / norm_type)
+        self.any_grads = bool(both[1] > 0)
+        if max_norm == float("inf"):  # the norm alone
+            return total
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(coef.to(g.device))
