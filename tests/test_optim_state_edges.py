@@ -230,3 +230,101 @@ def _flat_state_misuse(rank, world_size):
 
 def test_flat_parameter_states_that_disagree_are_refused_and_none_passes(ranks):
     assert all(ranks.run(2, _flat_state_misuse))
+
+
+def _to_load(engine, model, optim, osd):
+    import torch.distributed.fsdp as tfsdp
+
+    import zeroshard as zs
+    mod = tfsdp if engine == "torch" else zs
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with mod.FullyShardedDataParallel.state_dict_type(model, mod.StateDictType.FULL_STATE_DICT, None,
+                                                          mod.FullOptimStateDictConfig(offload_to_cpu=False)):
+            return mod.FullyShardedDataParallel.optim_state_dict_to_load(model, optim, osd)
+
+
+def _factored_states(rank, world_size, strategy):
+    base = build("mlp", seed=0)
+    seen = {}
+    for engine in ENGINES:
+        model, optim, _ = _trained(engine, base, torch.optim.Adafactor, strategy=strategy, use_orig_params=True)
+        seen[engine] = (model, optim, _osd(engine, model, optim))
+    (tm, to, t_osd), (zm, zo, z_osd) = seen["torch"], seen["zeroshard"]
+    loaded = _to_load("zeroshard", zm, zo, copy.deepcopy(t_osd))  # torch's dict into zeroshard
+    return _same(t_osd, z_osd), _same(loaded, zo.state_dict()), tuple(t_osd["state"]["inp.weight"]["row_var"].shape)
+
+
+@pytest.mark.parametrize("world_size, strategy", [(2, "NO_SHARD"), (1, "FULL_SHARD")])
+def test_states_not_shaped_like_their_parameter_pass_through_unsharded_units(ranks, world_size, strategy):
+    """Adafactor's row/column factors of a parameter held whole (NO_SHARD, or any
+    strategy on one rank): zeroshard squeezed them into parameter-sized slots and
+    failed on save ('size of tensor a (35) must match ... (5)') and on load ('has
+    shape (7, 1) but the parameter has shape (7, 5)'). torch passes them through."""
+    for same_dict, same_loaded, row_shape in ranks.run(world_size, _factored_states, strategy):
+        assert row_shape == (7, 1) and same_dict and same_loaded
+
+
+def _saved_groups_are_copies(rank, world_size, use_orig_params):
+    base = build("mlp", seed=0)
+    out = []
+    for engine in ENGINES:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = _wrap(engine, copy.deepcopy(base), {**DEFAULTS, "use_orig_params": use_orig_params})
+        optim = torch.optim.AdamW(model.parameters(), lr=torch.tensor(0.01))
+        sched = torch.optim.lr_scheduler.StepLR(optim, step_size=1, gamma=0.5)
+        model(batch("mlp", rank, 0)).pow(2).mean().backward()
+        optim.step()
+        osd = _osd(engine, model, optim)
+        sched.step()  # updates the tensor lr in place
+        out.append(float(osd["param_groups"][0]["lr"]))
+    return out
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_saved_param_groups_do_not_follow_the_live_optimizer(ranks, use_orig_params):
+    """A tensor lr in the returned dict was the optimizer's own tensor: a scheduler
+    step after saving changed the saved value (0.01 -> 0.005). torch deep-copies."""
+    for torch_lr, ours in ranks.run(2, _saved_groups_are_copies, use_orig_params):
+        assert ours == torch_lr == pytest.approx(0.01)
+
+
+def _settings_and_bad_dicts(rank, world_size):
+    import time
+
+    import zeroshard as zs
+    model, optim, _ = _trained("zeroshard", build("mlp", seed=0), steps=1)
+    errors = {}
+    # Set on the wrapped module below the root: the nested units only.
+    zs.FSDP.set_state_dict_type(model.module, zs.StateDictType.SHARDED_STATE_DICT)
+    try:
+        zs.FSDP.optim_state_dict(model, optim)
+    except RuntimeError as e:
+        errors["mixed"] = str(e)
+    zs.FSDP.set_state_dict_type(model.module, zs.StateDictType.FULL_STATE_DICT)  # all the same again
+    osd = _quiet(zs.FSDP.optim_state_dict, model, optim)
+    started = time.monotonic()
+    try:  # a rank0_only dict loaded without rank0_only: rank 1 holds {}
+        zs.FSDP.optim_state_dict_to_load(model, optim, osd if rank == 0 else {})
+    except ValueError as e:
+        errors["one_rank_bad"] = (str(e), time.monotonic() - started)
+    ids = copy.deepcopy(optim.state_dict())  # keyed by position, as a plain optimizer's
+    try:
+        zs.FSDP.optim_state_dict_to_load(model, optim, ids)
+    except ValueError as e:
+        errors["ids"] = str(e)
+    zs.ShardedOptimStateDictConfig(_use_dtensor=True), zs.ShardedStateDictConfig(_use_dtensor=True)  # torch's keywords
+    return errors
+
+
+def test_mixed_settings_and_one_rank_bad_dict_are_refused_on_every_rank(ranks):
+    """Units with different state dict settings used the root's silently (torch
+    asserts); a dict only one rank could not read left the others waiting in a
+    collective until that process died; a plain optimizer's ID-keyed dict now
+    names rekey_optim_state_dict."""
+    for errors in ranks.run(2, _settings_and_bad_dicts):
+        assert "have different state dict settings" in errors["mixed"]
+        message, seconds = errors["one_rank_bad"]
+        assert "without 'state' and 'param_groups'" in message and seconds < 10
+        assert "rekey_optim_state_dict" in errors["ids"]

@@ -126,19 +126,20 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     """
     if rank0_only is None:
         rank0_only = _settings(model)[1]
-    if rank0_only:
-        source = _Rank0States(optim_state_dict, group, units_of(model)[0].compute_device)
-    else:
-        source = _FullStates(optim_state_dict)
     index = _param_index(model)
     params = _optim_params(optim)
+    source = None
     try:  # checked on every rank before any state is fetched (see _agree)
+        if rank0_only:  # collective: rank 0 broadcasts what it holds
+            source = _Rank0States(optim_state_dict, group, units_of(model)[0].compute_device)
+        else:
+            source = _FullStates(optim_state_dict)
         fqn_groups = [_fqns(index, p, "optim_state_dict_to_load") for p in params]
         groups, problem = _param_groups(source.param_groups, optim, fqn_groups), None
     except ValueError as e:
         problem = e
     if agree:
-        _agree(problem, source.row_keys, group)
+        _agree(problem, source.row_keys if source is not None else [], group)
     elif problem is not None:
         raise problem
     pid_of = {id(p): pid for pid, p in enumerate(params)}
@@ -184,9 +185,12 @@ def _param_groups(saved_groups: list, optim, fqn_groups: list) -> list:
         if set(saved["params"]) != set(expected):
             missing = sorted(set(expected) - set(saved["params"]))[:3]
             extra = sorted(set(saved["params"]) - set(expected))[:3]
+            fix = ("it is keyed by parameter IDs (a plain optimizer.state_dict()): convert it with "
+                   "FSDP.rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, model), or load one from "
+                   "FSDP.optim_state_dict" if extra and all(isinstance(k, int) for k in saved["params"]) else
+                   "load a state dict saved from the same model and param groups")
             raise ValueError(f"zeroshard: param group {gi} of the optimizer state dict does not hold this optimizer's "
-                             f"parameters (missing e.g. {missing}, unexpected e.g. {extra}). Fix: load a state dict "
-                             "saved from the same model and param groups.")
+                             f"parameters (missing e.g. {missing}, unexpected e.g. {extra}). Fix: {fix}.")
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
     return groups
 
@@ -288,21 +292,20 @@ def _orig_shard(h, i: int, st: dict | None, fqn: str) -> dict | None:
     it). Shapes are checked on every rank first, so all of them raise."""
     if st is None:
         return None
+    if not h.sharded:  # the parameter whole: its states as they are, whatever their shapes (Adafactor's factors), as torch
+        return {k: v.to(h.local_shard.device, copy=True) if torch.is_tensor(v) else v for k, v in st.items()}
     info, sl = h.layout.params[i], h.layout.shard_slices[i]
     for name, v in st.items():
         if _is_elem(v):
             _check_shape(v, info, name, fqn)
-    if h.sharded and sl is None:
+    if sl is None:
         return None
     out = {}
     for name, v in st.items():
         if not _is_elem(v):
             out[name] = v.clone() if torch.is_tensor(v) else v
             continue
-        if not h.sharded:
-            out[name] = v.reshape(info.shape).to(h.local_shard.device, copy=True)
-        else:
-            out[name] = info.flat_of(v)[sl.offset_in_param : sl.offset_in_param + sl.numel_in_shard].to(h.local_shard.device, copy=True)
+        out[name] = info.flat_of(v)[sl.offset_in_param : sl.offset_in_param + sl.numel_in_shard].to(h.local_shard.device, copy=True)
     return out
 
 

@@ -42,6 +42,7 @@ A freshly built optimizer has no state for DCP to load into:
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -72,7 +73,10 @@ class FullOptimStateDictConfig(OptimStateDictConfig):
 
 @dataclass
 class ShardedOptimStateDictConfig(OptimStateDictConfig):
-    """States as DTensors of this rank's rows (see ``sharded_state``)."""
+    """States as DTensors of this rank's rows (see ``sharded_state``); ``_use_dtensor``:
+    torch's keyword, accepted (they are DTensors whatever it says)."""
+
+    _use_dtensor: bool = False
 
 
 @dataclass
@@ -128,6 +132,7 @@ def _settings(model: nn.Module) -> tuple[str, bool]:
     units = units_of(model)
     if not units:
         raise ValueError("zeroshard: the model has no FullyShardedDataParallel unit. Fix: pass the wrapped model.")
+    state_dict_settings(model)  # every unit the same (torch asserts), or the first unit's would pass for all
     kind = units[0]._state_dict_type
     if kind == StateDictType.LOCAL_STATE_DICT and any(getattr(u, "_device_mesh", None) is not None for u in units):
         raise RuntimeError("zeroshard: LOCAL_STATE_DICT does not fit a model wrapped with device_mesh (torch FSDP1 "
@@ -226,6 +231,17 @@ def _gather_unit(h, prefix: str, states_of: dict, finish) -> dict[str, dict]:
     rows for SHARDED). ``finish=None``: take part in the collectives only
     (rank0_only on ranks other than 0) and return {}."""
     n = len(h.layout.params)
+    if h.use_orig_params and not h.sharded:
+        # Each rank holds these parameters whole: their states pass through as they are (torch's too), whatever
+        # their shapes (Adafactor's row and column factors are not shaped like the parameter).
+        if finish is None:
+            return {}
+        out = {}
+        for info, p in zip(h.layout.params, h.orig_params):
+            if states_of.get(p):
+                out[clean_fqn(prefix + info.fqn)] = {k: finish(v) if _is_elem(v) else v.detach().to("cpu", copy=True)
+                                                     if torch.is_tensor(v) else v for k, v in states_of[p].items()}
+        return out
     if h.use_orig_params:
         states = [states_of.get(p) or None for p in h.orig_params]
     else:
@@ -379,7 +395,8 @@ def _optim_state_dict(model, optim, osd, group, rank0_only: bool, form: str) -> 
                                  "model.named_parameters() does not have. Fix: build the named optimizer from this wrapped "
                                  "model's named_parameters().")
             fqns += _fqns(index, p, "optim_state_dict")
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": fqns})
+        # Copies: a tensor lr that a scheduler updates in place must not change the saved dict (torch deep-copies).
+        groups.append({**{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}, "params": fqns})
     return {"state": state, "param_groups": groups}
 
 

@@ -107,4 +107,6 @@ class LocalStateDictConfig(StateDictConfig):
 
 @dataclass
 class ShardedStateDictConfig(StateDictConfig):
-    pass
+    """``_use_dtensor``: torch's keyword, accepted; zeroshard's shards are always DTensors."""
+
+    _use_dtensor: bool = False
