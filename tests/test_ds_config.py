@@ -107,15 +107,35 @@ def test_config_must_be_a_dict_or_json_path(tmp_path):
     assert load_config(str(path), 2).zero.stage == 3
 
 
-def test_unknown_keys_warn_listing_all_of_them():
-    cfg = {**MICRO, "steps_per_print": 10, "fp16": {"enabled": True, "auto_cast": False, "fp16_master": 1},
-           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "fused": True}},
+def test_deepspeed_keys_not_acted_on_warn_listing_all_of_them():
+    cfg = {**MICRO, "steps_per_print": 10, "prescale_gradients": False,
+           "fp16": {"enabled": True, "auto_cast": False, "fp16_master_weights_and_grads": False},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "set_grad_none": True, "fused": False}},
+           "scheduler": {"type": "WarmupLR", "params": {"last_batch_iteration": -1}},
            "zero_optimization": {"stage": 2, "overlap_comm": True, "offload_optimizer": {"device": "cpu", "buffer_count": 4}}}
-    with pytest.warns(UserWarning, match=r"unknown keys ignored: 'steps_per_print', 'optimizer.params.fused', "
-                                         r"'fp16.fp16_master', 'zero_optimization.offload_optimizer.buffer_count', "
+    with pytest.warns(UserWarning, match=r"keys ignored: 'prescale_gradients', 'optimizer.params.set_grad_none', "
+                                         r"'scheduler.params.last_batch_iteration', 'fp16.fp16_master_weights_and_grads', "
+                                         r"'zero_optimization.offload_optimizer.buffer_count', "
                                          r"'zero_optimization.overlap_comm'"):
         parsed = load_config(cfg, 1)
-    assert "fused" not in parsed.optimizer["params"] and parsed.zero.offload_optimizer and not parsed.fp16.auto_cast
+    assert parsed.optimizer["params"] == {"lr": 1e-3, "fused": False}  # torch's own keyword reaches torch's AdamW
+    assert parsed.zero.offload_optimizer and not parsed.fp16.auto_cast and parsed.steps_per_print == 10
+
+
+@pytest.mark.parametrize("section, bad", [
+    ("zero_optimization", {"zero_optimization": {"stage": 2, "overlap_com": True}}),
+    ("bf16", {"bf16": {"enabled": True, "bogus": 1}}),
+    ("fp16", {"fp16": {"enabled": True, "fp16_master": 1}}),
+    ("optimizer.params", {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decy": 0.1}}}),
+    ("optimizer.params", {"optimizer": {"type": "SGD", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}}),
+    ("scheduler.params", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max": 0.1}}}),
+])
+def test_typos_in_sections_deepspeed_validates_are_refused(section, bad):
+    """DeepSpeed refuses these (pydantic "Extra inputs are not permitted", or a
+    TypeError from the optimizer's or scheduler's constructor); zeroshard warned
+    and trained without them, e.g. with no weight decay at all."""
+    with pytest.raises(ValueError, match=rf"unknown key\(s\) '{section}\.\w+': DeepSpeed refuses them too"):
+        load_config({**MICRO, **bad}, 1)
 
 
 def test_keys_accepted_but_not_acted_on_are_documented_and_recorded():

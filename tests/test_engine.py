@@ -794,3 +794,28 @@ def test_a_step_without_any_backward_changes_nothing(ranks, stage, precision):
         assert untouched and no_state and norm_without == 0.0 and stepped
     if stage < 2:  # replicated parameters (stage 3's are this rank's shards)
         assert all(torch.equal(a, b) for a, b in zip(results[0][4], results[1][4]))
+
+
+def _client_state_and_frozen(rank, world_size, stage, ckpt_dir):
+    engine, *_ = _engine(stage, steps_per_print=7)
+    frozen = next(n for n, _ in engine.module.named_parameters())
+    dict(engine.module.named_parameters())[frozen].requires_grad_(False)
+    _train(engine, rank, 1, 0)
+    full = ds_checkpoint.model_state_dict(engine)
+    engine.save_checkpoint(ckpt_dir, tag="t", client_state={"rank": rank}, exclude_frozen_parameters=True)
+    saved = torch.load(os.path.join(ckpt_dir, "t", ds_checkpoint.MODEL_FILE), weights_only=False)["module"]
+    _, client = engine.load_checkpoint(ckpt_dir, tag="t", load_module_strict=False)
+    return sorted(set(full) - set(saved)), client, (engine.steps_per_print(), engine.wall_clock_breakdown())
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_per_rank_client_state_at_stage_3_and_frozen_parameters_left_out(ranks, tmp_path, stage):
+    """As DeepSpeed: at stage 3 (a model file per rank there) each rank gets its
+    own client_state back, at stages 0-2 rank 0's; exclude_frozen_parameters
+    (was a TypeError) leaves the frozen weights out of the model file; and the
+    steps_per_print / wall_clock_breakdown getters exist (were AttributeErrors
+    naming the user's model)."""
+    for rank, (left_out, client, getters) in enumerate(ranks.run(2, _client_state_and_frozen, stage, str(tmp_path))):
+        assert left_out == ["inp.weight"], left_out
+        assert client == {"rank": rank if stage == 3 else 0}
+        assert getters == (7, False)

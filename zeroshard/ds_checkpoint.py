@@ -48,6 +48,7 @@ import torch
 from . import checkpoint, comm
 from .fully_sharded import FullyShardedDataParallel
 from .options import StateDictType
+from .state_dict import clean_fqn
 
 MODEL_FILE = "mp_rank_00_model_states.pt"
 OPTIM_FILE = "zero_optim_states.pt"  # before optimizer files were named per save (still read)
@@ -99,20 +100,28 @@ def _optimizer_in_model_file(engine) -> bool:
     return engine.stage == 0 and engine.zero1 is None
 
 
-def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
-    """``Engine.save_checkpoint`` (collective)."""
+def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
+         exclude_frozen_parameters: bool = False) -> bool:
+    """``Engine.save_checkpoint`` (collective). At stage 3 every rank's
+    ``client_state`` is kept (DeepSpeed writes a model file per rank there), and
+    each rank gets its own back; at stages 0-2 rank 0's is the one stored."""
     tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     client_state = dict(client_state or {})
     clash = sorted(map(str, set(client_state) & (DS_KEYS | {OWN})))
-    seen = comm.gather_objects((tag, clash), what="save_checkpoint (comparing the tags)")
-    if len({t for t, _ in seen}) > 1:
-        raise ValueError(f"zeroshard save_checkpoint: ranks passed different tags {[t for t, _ in seen]}. Fix: pass the "
-                         "same tag on every rank.")
+    per_rank = client_state if engine.stage == 3 else None
+    seen = comm.gather_objects((tag, clash, per_rank), what="save_checkpoint (comparing the tags)")
+    if len({t for t, _, _ in seen}) > 1:
+        raise ValueError(f"zeroshard save_checkpoint: ranks passed different tags {[t for t, _, _ in seen]}. Fix: pass "
+                         "the same tag on every rank.")
     if seen[0][1]:  # rank 0's client_state is the one stored
         raise ValueError(f"zeroshard save_checkpoint: client_state keys {seen[0][1]} are entries of the checkpoint itself "
                          "(client_state is merged into the model file, as DeepSpeed does). Fix: rename them.")
     path = os.path.join(os.fspath(save_dir), tag)
     model_sd, optim_sd = model_state_dict(engine), optimizer_state_dict(engine)  # collectives first, on every rank
+    if exclude_frozen_parameters:  # as DeepSpeed's: a later load needs load_module_strict=False
+        for name, p in engine.module.named_parameters():
+            if not p.requires_grad:
+                model_sd.pop(clean_fqn(name), None)
 
     def write():
         os.makedirs(path, exist_ok=True)
@@ -128,6 +137,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
             **{k: getattr(engine, k) for k in _RESTORED}, "dp_world_size": engine.world_size, "mp_world_size": 1,
             "ds_config": engine.config.raw,
             OWN: {"zero_stage": engine.stage, "micro_steps": engine.micro_steps, "optim_file": optim_file,
+                  "client_states": [c for _, _, c in seen] if per_rank is not None else None,
                   "loss_scaler": engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None},
             **client_state,
         }, os.path.join(path, MODEL_FILE))
@@ -221,6 +231,9 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
         own, client = {"loss_scaler": ckpt["loss_scaler"]}, ckpt["client_state"]
     else:
         own, client = ckpt.get(OWN, {}), {k: v for k, v in ckpt.items() if k not in DS_KEYS and k != OWN}
+        per_rank = own.get("client_states")
+        if per_rank is not None and len(per_rank) == engine.world_size:  # a stage-3 save: this rank's own
+            client = per_rank[engine.global_rank]
     osd = None
     if load_optimizer_states and not load_module_only and engine.optimizer is not None:
         osd = _read_optimizer(engine, ckpt, folder, by_deepspeed)

@@ -34,9 +34,15 @@ Accepted, validated, but **not acted on**: ``stage3_prefetch_bucket_size``,
 ``stage3_max_live_parameters`` (zeroshard prefetches one unit ahead and limits live
 units with ``limit_all_gathers``), and ``pin_memory`` inside the offload sections.
 
-Any other key draws one ``warnings.warn`` listing every unknown key (it is
-ignored). A wrong type or value raises ``ValueError`` naming the key, the
-value and the fix. ``"auto"`` values (filled in by the HF Trainer) are
+``steps_per_print`` and ``wall_clock_breakdown`` are read for their getters
+(nothing is printed). torch's own optimizer keywords (``fused``, ``foreach``,
+``maximize``...) are handed to the torch optimizer. Any other DeepSpeed key,
+and any unknown top-level key (DeepSpeed ignores those), draws one
+``warnings.warn`` listing them all (they are ignored); a key DeepSpeed itself
+refuses inside ``zero_optimization``, ``fp16``, ``bf16`` (its pydantic
+models), ``optimizer.params`` or ``scheduler.params`` (its constructors'
+signatures) is a typo and raises, as there. A wrong type or value raises
+``ValueError`` naming the key, the value and the fix. ``"auto"`` values (filled in by the HF Trainer) are
 rejected with that explanation.
 """
 from __future__ import annotations
@@ -50,7 +56,8 @@ from dataclasses import dataclass, field
 import torch
 
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
-            "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization"}
+            "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "steps_per_print",
+            "wall_clock_breakdown"}
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
              "consecutive_hysteresis", "auto_cast"}
 ZERO_KEYS = {"stage", "offload_param", "offload_optimizer"}
@@ -58,6 +65,32 @@ ZERO_MAPPED = {"reduce_bucket_size", "stage3_param_persistence_threshold"}
 ZERO_NOT_ACTED_ON = {"stage3_prefetch_bucket_size", "stage3_max_live_parameters"}
 OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"},
                     "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"}}
+# torch's own keywords, handed to the torch optimizer as given (DeepSpeed's torch_adam / SGD do the same).
+OPTIMIZER_TORCH = {"adam": {"maximize", "foreach", "capturable", "differentiable", "fused"},
+                   "sgd": {"maximize", "foreach", "differentiable", "fused"}}
+# What DeepSpeed 0.19.8 itself accepts in the sections it validates (its pydantic models, FusedAdam's and its
+# schedulers' signatures): a key outside these is a typo DeepSpeed refuses, and so does zeroshard; one inside
+# that zeroshard does not act on is ignored with a warning.
+DS_ZERO_KEYS = {
+    "allgather_bucket_size", "allgather_partitions", "allgather_sequential", "compute_grad_norm", "contiguous_gradients",
+    "cpu_offload", "cpu_offload_param", "cpu_offload_use_pin_memory", "elastic_checkpoint", "enable_sanity_checks",
+    "gather_16bit_weights_on_model_save", "ignore_unused_parameters", "leaf_module", "legacy_stage1",
+    "load_from_fp32_weights", "log_trace_cache_warnings", "max_live_parameters", "max_reuse_distance",
+    "memory_efficient_linear", "model_persistence_threshold", "module_granularity_threshold", "offload_optimizer",
+    "offload_param", "overlap_comm", "override_module_apply", "param_persistence_threshold", "parameter_alignment",
+    "pipeline_loading_checkpoint", "prefetch_bucket_size", "reduce_bucket_size", "reduce_scatter",
+    "round_robin_gradients", "save_muon_momentum_buffer_in_memory", "stage", "stage3_allgather_sequential",
+    "stage3_gather_16bit_weights_on_model_save", "stage3_gather_fp16_weights_on_model_save",
+    "stage3_max_live_parameters", "stage3_max_reuse_distance", "stage3_model_persistence_threshold",
+    "stage3_module_granularity_threshold", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
+    "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "use_all_reduce_for_fetch_params",
+    "use_multi_rank_bucket_allreduce", "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
+    "zero_quantized_nontrainable_weights", "zero_quantized_weights"}
+DS_FP16_KEYS = FP16_KEYS | {"fp16_master_weights_and_grads"}
+DS_BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
+                "bf16_optimizer_states"}
+DS_OPTIMIZER_EXTRA = {"adam": {"bias_correction", "set_grad_none", "decoupled_weight_decay"}, "sgd": set()}
+DS_SCHEDULER_EXTRA = {"last_batch_iteration"}
 SCHEDULER_PARAMS = {"WarmupLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type"},
                     "WarmupDecayLR": {"warmup_min_lr", "warmup_max_lr", "warmup_num_steps", "warmup_type", "total_num_steps"},
                     "WarmupCosineLR": {"warmup_min_ratio", "cos_min_ratio", "warmup_num_steps", "warmup_type", "total_num_steps"}}
@@ -126,6 +159,8 @@ class DeepSpeedConfig:
     bf16: bool = False
     zero: ZeroConfig = field(default_factory=ZeroConfig)
     raw: dict = field(default_factory=dict)
+    steps_per_print: int = 10  # DeepSpeed's default; zeroshard prints nothing per step
+    wall_clock_breakdown: bool = False
 
     @property
     def low_precision_dtype(self) -> torch.dtype | None:
@@ -159,6 +194,13 @@ class ConfigGetters:
     def gradient_clipping(self) -> float:
         return self.config.gradient_clipping
 
+    def steps_per_print(self) -> int:
+        return self.config.steps_per_print
+
+    def wall_clock_breakdown(self) -> bool:
+        """Read and reported; zeroshard prints no timing breakdown (see ``zeroshard.trace``)."""
+        return self.config.wall_clock_breakdown
+
     def loss_scale(self) -> float:
         """The config's static fp16 loss scale, 0 for dynamic (DeepSpeed's; the
         running scale is ``engine.loss_scaler.loss_scale``)."""
@@ -173,16 +215,18 @@ def load_config(config, world_size: int) -> DeepSpeedConfig:
     if not isinstance(config, dict):
         raise ValueError(f"zeroshard config: expected a dict or a path to a JSON file, got {type(config).__name__}. "
                          "Fix: pass config={...} or config='ds_config.json'.")
-    unknown = [k for k in config if k not in TOP_KEYS]
+    unknown = [k for k in config if k not in TOP_KEYS]  # DeepSpeed ignores unknown top-level keys: a warning
     micro, accum, train = _batch_sizes(config, world_size)
     cfg = DeepSpeedConfig(train, micro, accum, raw=dict(config))
+    cfg.steps_per_print = _int("steps_per_print", config.get("steps_per_print", 10), 1)
+    cfg.wall_clock_breakdown = _bool("wall_clock_breakdown", config.get("wall_clock_breakdown", False))
     cfg.gradient_clipping = _number("gradient_clipping", config.get("gradient_clipping", 1.0))
     if config.get("optimizer") is not None:
         cfg.optimizer = _optimizer(_section("optimizer", config["optimizer"]), unknown)
     if config.get("scheduler") is not None:
         cfg.scheduler = _scheduler(_section("scheduler", config["scheduler"]), unknown)
     fp16 = _section("fp16", config.get("fp16", {}))
-    unknown += [f"fp16.{k}" for k in fp16 if k not in FP16_KEYS]
+    unknown += _sort_out("fp16", [k for k in fp16 if k not in FP16_KEYS], DS_FP16_KEYS)
     cfg.fp16 = FP16Config(
         enabled=_bool("fp16.enabled", fp16.get("enabled", False)),
         loss_scale=_number("fp16.loss_scale", fp16.get("loss_scale", 0.0)),
@@ -199,15 +243,28 @@ def load_config(config, world_size: int) -> DeepSpeedConfig:
         raise _bad("bfloat16", config["bfloat16"], '"bf16" and its alias "bfloat16" are both given', "keep one of them")
     bf16_key = "bfloat16" if "bfloat16" in config else "bf16"
     bf16 = _section(bf16_key, config.get(bf16_key, {}))
-    unknown += [f"{bf16_key}.{k}" for k in bf16 if k != "enabled"]
+    unknown += _sort_out(bf16_key, [k for k in bf16 if k != "enabled"], DS_BF16_KEYS)
     cfg.bf16 = _bool(f"{bf16_key}.enabled", bf16.get("enabled", False))
     if cfg.bf16 and cfg.fp16.enabled:
         raise _bad("fp16.enabled", True, f'"fp16" and "{bf16_key}" cannot both be enabled', "enable one of them")
     cfg.zero = _zero(_section("zero_optimization", config.get("zero_optimization", {})), unknown)
     if unknown:
-        warnings.warn(f"zeroshard config: unknown keys ignored: {', '.join(repr(k) for k in unknown)}. zeroshard reads "
-                      "only the DeepSpeed keys listed in zeroshard/ds_config.py; check for typos.", stacklevel=3)
+        warnings.warn(f"zeroshard config: keys ignored: {', '.join(repr(k) for k in unknown)}. zeroshard reads only "
+                      "the DeepSpeed keys listed in zeroshard/ds_config.py (top-level keys DeepSpeed does not know "
+                      "either may be typos).", stacklevel=3)
     return cfg
+
+
+def _sort_out(section: str, keys: list, deepspeed_keys: set) -> list:
+    """``keys`` of ``section`` that zeroshard does not read: DeepSpeed's own are
+    returned (to be ignored with a warning); any other is a typo, refused as
+    DeepSpeed refuses it."""
+    typos = [k for k in keys if k not in deepspeed_keys]
+    if typos:
+        raise ValueError(f"zeroshard config: unknown key(s) {', '.join(repr(f'{section}.{k}') for k in typos)}: DeepSpeed "
+                         f"refuses them too. Fix: check the spelling; the keys zeroshard reads there are listed in "
+                         "zeroshard/ds_config.py.")
+    return [f"{section}.{k}" for k in keys]
 
 
 def _batch_sizes(config: dict, world: int) -> tuple[int, int, int]:
@@ -241,10 +298,15 @@ def _optimizer(sec: dict, unknown: list) -> dict:
     if kind not in ("adam", "adamw", "sgd"):
         raise _bad("optimizer.type", name, "zeroshard builds Adam, AdamW and SGD", 'use "Adam", "AdamW" or "SGD" (or pass optimizer=... to initialize)')
     params = dict(_section("optimizer.params", sec.get("params", {})))
-    allowed = OPTIMIZER_PARAMS["sgd" if kind == "sgd" else "adam"]
-    for k in [k for k in params if k not in allowed]:
-        unknown.append(f"optimizer.params.{k}")
-        del params[k]
+    family = "sgd" if kind == "sgd" else "adam"
+    allowed = OPTIMIZER_PARAMS[family] | OPTIMIZER_TORCH[family]
+    ignored = _sort_out("optimizer.params", [k for k in params if k not in allowed], allowed | DS_OPTIMIZER_EXTRA[family])
+    if params.get("bias_correction", True) is not True:
+        raise _bad("optimizer.params.bias_correction", params["bias_correction"], "zeroshard's Adam always corrects the "
+                   "bias (torch's Adam/AdamW)", "drop the key")
+    unknown += ignored
+    for k in ignored:
+        del params[k[len("optimizer.params."):]]
     for k in ("lr", "eps", "weight_decay", "momentum", "dampening"):
         if k in params:
             params[k] = _number(f"optimizer.params.{k}", params[k])
@@ -282,9 +344,14 @@ def _scheduler(sec: dict, unknown: list) -> dict:
         raise _bad("scheduler.type", kind, "zeroshard implements DeepSpeed's WarmupLR, WarmupDecayLR and WarmupCosineLR",
                    'use one of them (or pass lr_scheduler=... to initialize)')
     params = dict(_section("scheduler.params", sec.get("params", {})))
-    for k in [k for k in params if k not in SCHEDULER_PARAMS[kind]]:
-        unknown.append(f"scheduler.params.{k}")
-        del params[k]
+    ignored = _sort_out("scheduler.params", [k for k in params if k not in SCHEDULER_PARAMS[kind]],
+                        SCHEDULER_PARAMS[kind] | DS_SCHEDULER_EXTRA)
+    if params.get("last_batch_iteration", -1) != -1:
+        raise _bad("scheduler.params.last_batch_iteration", params["last_batch_iteration"], "zeroshard's schedulers "
+                   "start at the beginning (a resumed run restores their position from the checkpoint)", "drop the key")
+    unknown += ignored
+    for k in ignored:
+        del params[k[len("scheduler.params."):]]
     for k in ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio"):
         if params.get(k) is not None:
             params[k] = _number(f"scheduler.params.{k}", params[k])
@@ -321,5 +388,6 @@ def _zero(sec: dict, unknown: list) -> ZeroConfig:
         zero.mapped[k] = _number(f"zero_optimization.{k}", sec[k])
     for k in sorted(ZERO_NOT_ACTED_ON & set(sec)):
         zero.not_acted_on[k] = _number(f"zero_optimization.{k}", sec[k])
-    unknown += [f"zero_optimization.{k}" for k in sec if k not in ZERO_KEYS | ZERO_MAPPED | ZERO_NOT_ACTED_ON]
+    unknown += _sort_out("zero_optimization", [k for k in sec if k not in ZERO_KEYS | ZERO_MAPPED | ZERO_NOT_ACTED_ON],
+                         DS_ZERO_KEYS)
     return zero

@@ -388,10 +388,11 @@ class Engine(ConfigGetters, nn.Module):
             return getattr(self.module, name)  # DeepSpeed passes unknown attributes to the model
 
     # ------------------------------------------------------------ checkpoints
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_frozen_parameters: bool = False) -> bool:
         """Save model, optimizer, scheduler, loss scaler, counters and ``client_state`` (collective;
-        rank 0's ``client_state`` is the one stored, as in DeepSpeed). See ``ds_checkpoint``."""
-        return ds_checkpoint.save(self, save_dir, tag, client_state, save_latest)
+        as in DeepSpeed, rank 0's ``client_state`` is the one stored, every rank's at stage 3). See ``ds_checkpoint``."""
+        return ds_checkpoint.save(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict: bool = True, load_optimizer_states: bool = True,
                         load_lr_scheduler_states: bool = True, load_module_only: bool = False):
