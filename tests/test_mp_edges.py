@@ -393,3 +393,47 @@ def test_summon_with_grads_shows_low_precision_grads_as_torch(ranks):
     """NO_SHARD + use_orig_params + keep_low_precision_grads: zeroshard raised on
     assigning the fp16 gradient to the fp32 parameter."""
     assert ranks.run(2, _summon_low_precision_grads) == [True, True]
+
+
+# ------------------------------------------- a buffer reassigned in forward
+class EMANorm(nn.Module):
+    def __init__(self, d=6):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("ema", torch.zeros(d))
+
+    def forward(self, x):
+        y = self.lin(x)
+        with torch.no_grad():
+            self.ema = self.ema * 0.9 + y.detach().mean(0).to(self.ema.dtype) * 0.1  # a new tensor, not in place
+        return y - self.ema
+
+
+def _reassigned_buffer(rank, world_size):
+    mp = {"param_dtype": torch.bfloat16, "buffer_dtype": torch.bfloat16}
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(rank))
+    seen = []
+    for engine in ENGINES:
+        torch.manual_seed(0)
+        with _env("FSDP_USE_FULL_PREC_IN_EVAL", "1"):
+            m = _fsdp(engine, nn.Sequential(EMANorm(), EMANorm()), mixed_precision=mp,
+                      auto_wrap_policy=ENGINES[engine][1].ModuleWrapPolicy({EMANorm}))
+        m(x).float().sum().backward()
+        sd = {k: v.clone() for k, v in m.state_dict().items() if k.endswith("ema")}
+        m.eval()
+        with torch.no_grad():
+            y = m(torch.ones(4, 6))
+        seen.append((sd, y))
+    (sd_ref, y_ref), (sd, y) = seen
+    assert list(sd) == list(sd_ref) and all(v.dtype == torch.float32 for v in sd.values())
+    assert all(torch.equal(sd[k], sd_ref[k]) for k in sd) and y.dtype == y_ref.dtype and torch.equal(y, y_ref)
+    return True
+
+
+def test_a_buffer_reassigned_in_forward_keeps_its_original_dtype(ranks):
+    """buffer_dtype=bf16 and a module that reassigns its buffer (an EMA): the
+    original dtype was remembered on the tensor, which the reassignment
+    replaced, so the state dict returned bf16 (torch: fp32) and an eval forward
+    under FSDP_USE_FULL_PREC_IN_EVAL=1 used the bf16 buffer (other outputs).
+    torch remembers it by buffer name; so does zeroshard now."""
+    assert all(ranks.run(2, _reassigned_buffer))

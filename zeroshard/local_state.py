@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from .state_dict import (CHECKPOINT_PREFIX, FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key,
                          plain_module_behaviour)
+from .mixed_precision import orig_buffer_dtypes
 from .summon import summon_full_params, units_of
 
 
@@ -94,7 +95,7 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
             raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
         full_params = {id(info.module._parameters[info.name]) for u in no_shard for info in u._handle.layout.params}
         # torch's NO_SHARD fallback is its FULL hook, which casts buffer_dtype buffers back in the unit's whole subtree
-        upcast = {id(b) for u in no_shard for b in u.buffers()}
+        upcast = orig_buffer_dtypes(root, no_shard, prefix)
         out, open_units, pending = {}, [], list(sharded)
 
         def close(key=None):  # a unit's subtree ended: with use_orig_params its flat entry comes now
@@ -113,7 +114,7 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
             elif id(v) in full_params:
                 value = v.detach().clone()
             else:
-                value = buffer_value(v, keep_vars and id(v) not in owned, id(v) in upcast)
+                value = buffer_value(v, keep_vars and id(v) not in owned, upcast.get(k))
                 if offload:
                     value = value.cpu()
             out[clean_key(k)] = value

@@ -31,21 +31,43 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 
+ORIG_DTYPES = "_zeroshard_buffer_orig_dtypes"  # on a module: {buffer name: dtype before buffer_dtype}
+
+
 def cast_buffers(states):
     """Cast floating buffers to their unit's ``buffer_dtype`` (innermost unit
     wins; ``states`` are the units in module order, root first). Buffers of a
-    unit's ignored modules are left alone, by it and by the units around it."""
-    seen = set()
+    unit's ignored modules are left alone, by it and by the units around it.
+    The original dtype is remembered by module and buffer name (torch FSDP1
+    keeps it by name too), so a buffer the module reassigns in forward
+    (``self.ema = self.ema * 0.9 + ...``) still gets it back."""
+    ignored, done = set(), {}  # done: id(buffer) -> its original dtype if cast, else None
     for s in reversed(states):
-        seen |= {id(b) for m in s._ignored_modules for b in m.buffers(recurse=False)}
+        ignored |= {id(b) for m in s._ignored_modules for b in m.buffers(recurse=False)}
         dtype = s.mixed_precision.buffer_dtype
-        for buf in s.buffers():
-            if id(buf) in seen:
-                continue
-            seen.add(id(buf))
-            if dtype is not None and torch.is_floating_point(buf) and buf.dtype != dtype:
-                buf._zeroshard_orig_dtype = buf.dtype
-                buf.data = buf.to(dtype)
+        for m in s.modules():
+            for name, buf in m._buffers.items():
+                if buf is None or id(buf) in ignored:
+                    continue
+                if id(buf) not in done:
+                    cast = dtype is not None and torch.is_floating_point(buf) and buf.dtype != dtype
+                    done[id(buf)] = buf.dtype if cast else None
+                    if cast:
+                        buf.data = buf.to(dtype)
+                if done[id(buf)] is not None:  # also under a second name of a shared buffer
+                    m.__dict__.setdefault(ORIG_DTYPES, {})[name] = done[id(buf)]
+
+
+def orig_buffer_dtypes(root, units, prefix: str = "") -> dict[str, torch.dtype]:
+    """State-dict key (as ``nn.Module.state_dict(root, prefix=prefix)`` writes it)
+    -> original dtype, for the buffers ``cast_buffers`` cast in ``units``' subtrees."""
+    inside = {id(m) for u in units for m in u.modules()}
+    out = {}
+    for path, m in root.named_modules(remove_duplicate=False):
+        if id(m) in inside:
+            for name, dtype in m.__dict__.get(ORIG_DTYPES, {}).items():
+                out[prefix + (path + "." if path else "") + name] = dtype
+    return out
 
 
 def buffers_for_mode(root, states):
@@ -55,10 +77,11 @@ def buffers_for_mode(root, states):
     they are cast down again (torch FSDP1's rule)."""
     handles = [root._handle] if root._handle is not None else [s._handle for s in states if s._handle is not None]
     if any(h.forced_full_precision for h in handles):
-        for buf in root.buffers():
-            orig = getattr(buf, "_zeroshard_orig_dtype", buf.dtype)
-            if buf.dtype != orig:
-                buf.data = buf.to(orig)
+        for m in root.modules():
+            for name, orig in m.__dict__.get(ORIG_DTYPES, {}).items():
+                buf = m._buffers.get(name)
+                if buf is not None and torch.is_floating_point(buf) and buf.dtype != orig:
+                    buf.data = buf.to(orig)
         root._buffers_in_full_precision = True
     elif root.__dict__.get("_buffers_in_full_precision"):
         cast_buffers(states)

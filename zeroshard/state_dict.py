@@ -35,6 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm, ext
+from .mixed_precision import orig_buffer_dtypes
 from .options import FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig, StateDictType, as_member
 from .sharded_state import check_row_shard, device_mesh, from_row_shard, is_sharded, row_keys_differ, to_row_shard
 from .summon import summon_full_params, units_of
@@ -154,8 +155,8 @@ def _copy_out(h, destination, start: int, ctx: _Walk):
         ctx.copied.add(k)
 
 
-def _upcast_buffer_ids(root) -> set[int]:
-    """Buffers a FULL/SHARDED state dict saves in their original dtype.
+def _upcast_dtypes(root, prefix: str) -> dict[str, torch.dtype]:
+    """Keys of the buffers a FULL/SHARDED state dict saves in their original dtype, with that dtype.
 
     torch FSDP1 upcasts a buffer cast by ``buffer_dtype`` in the state-dict hook
     of each unit that holds it, but that hook returns early for a unit without
@@ -163,17 +164,13 @@ def _upcast_buffer_ids(root) -> set[int]:
     containing it has a FlatParameter; e.g. a root whose parameters all sit in
     nested units leaves its own buffers in ``buffer_dtype``. zeroshard matches.
     """
-    ids = set()
-    for u in units_of(root):
-        if u._handle is not None:
-            ids.update(id(b) for b in u.buffers())
-    return ids
+    return orig_buffer_dtypes(root, [u for u in units_of(root) if u._handle is not None], prefix)
 
 
-def buffer_value(v, keep_vars: bool, upcast: bool):
-    """A state dict's value for ``v``: with ``upcast``, a buffer ``buffer_dtype`` cast back to its own dtype."""
-    orig = getattr(v, "_zeroshard_orig_dtype", None)
-    if orig is not None and upcast:
+def buffer_value(v, keep_vars: bool, orig: torch.dtype | None):
+    """A state dict's value for buffer ``v``: with ``orig`` (its dtype before
+    ``buffer_dtype``, see ``mixed_precision.orig_buffer_dtypes``), cast back to it."""
+    if orig is not None and torch.is_floating_point(v) and v.dtype != orig:
         return v.detach().to(orig)
     return v if keep_vars else v.detach()
 
@@ -248,7 +245,7 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
     _walk[0] = ctx
     try:
         with plain_module_behaviour():
-            upcast = _upcast_buffer_ids(root)
+            upcast = _upcast_dtypes(root, prefix)
             walk_unit(root, destination, lambda d: nn.Module.state_dict(root, destination=d, prefix=prefix, keep_vars=True))
     finally:
         _walk[0] = previous
@@ -259,7 +256,7 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
     out = {}
     for k, v in destination.items():
         if torch.is_tensor(v) and k not in ctx.copied:  # buffers, ignored parameters (not extra states)
-            v = buffer_value(v, keep_vars, id(v) in upcast)
+            v = buffer_value(v, keep_vars, upcast.get(k))
             v = v.cpu() if offload else v
         out[clean_key(k)] = v
     # By the copies, not by the keys seen then: a checkpoint wrapper around a unit renames them afterwards.
