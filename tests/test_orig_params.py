@@ -237,3 +237,59 @@ def test_a_unit_frozen_for_some_steps_trains_after_unfreezing_as_in_torch(ranks,
     """NO_SHARD: a wholly frozen unit runs no post-backward; its modules used to
     keep plain tensor views in place of the parameters, so unfreezing trained nothing."""
     assert all(ranks.run(2, _freeze_a_unit_then_unfreeze, strategy))
+
+
+class WithEmpty(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(3))
+        self.empty = nn.Parameter(torch.empty(0))  # e.g. a bias of a zero-width layer
+        self.lin = nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.lin(x) * self.a + self.empty.sum()
+
+
+def _zero_element_parameter(rank, world_size):
+    import warnings
+
+    import torch.distributed.fsdp as tfsdp
+
+    import zeroshard as zs
+    seen = []
+    for lib, kw in ((tfsdp, {"device_id": torch.device("cpu")}), (zs, {})):
+        torch.manual_seed(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            m = lib.FullyShardedDataParallel(WithEmpty(), use_orig_params=True, **kw)
+        opt = torch.optim.AdamW(m.parameters())
+        m(torch.ones(2, 5) * (rank + 1)).sum().backward()
+        empty = next(p for n, p in m.named_parameters() if n.endswith("empty"))
+        grad = None if empty.grad is None else tuple(empty.grad.shape)
+        opt.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with lib.FullyShardedDataParallel.state_dict_type(m, lib.StateDictType.FULL_STATE_DICT, None,
+                                                              lib.FullOptimStateDictConfig(offload_to_cpu=False)):
+                osd = lib.FullyShardedDataParallel.optim_state_dict(m, opt)
+        seen.append((grad, empty in opt.state, {k: {n: (tuple(v.shape), v.clone()) if torch.is_tensor(v) else v
+                                                    for n, v in st.items()} for k, st in osd["state"].items()}))
+    (g_ref, st_ref, osd_ref), (g, st, osd) = seen
+    assert (g, st) == (g_ref, st_ref), ((g, st), (g_ref, st_ref))
+    assert osd.keys() == osd_ref.keys()
+    for k in osd:
+        # torch's FULL dict drops the zero-element parameter's 'step' (a quirk: its optimizer has one); zeroshard keeps it.
+        extra = {"step"} if k == "empty" else set()
+        assert set(osd[k]) == set(osd_ref[k]) | extra, (k, list(osd[k]), list(osd_ref[k]))
+        for n, v in ((n, v) for n, v in osd[k].items() if n in osd_ref[k]):
+            ref = osd_ref[k][n]
+            assert (v[0] == ref[0] and torch.equal(v[1], ref[1])) if isinstance(v, tuple) else v == ref, (k, n)
+    return g is not None
+
+
+def test_a_zero_element_parameter_gets_its_empty_grad_where_torch_gives_one(ranks):
+    """torch puts a numel-0 parameter in the shard holding elements on both sides
+    of its offset (rank 0 here): an empty .grad there, so optimizer state; the
+    other rank None. zeroshard left it None on every rank, so the optimizer
+    state differed from torch's."""
+    assert ranks.run(2, _zero_element_parameter) == [True, False]

@@ -9,6 +9,7 @@ plus the unit structure each engine builds."""
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 
 import pytest
@@ -79,6 +80,10 @@ def _policy(which, lib, wrap_lib):
                                      if isinstance(m, Block) else isinstance(m, nn.Linear))
     if which == "bn_block":
         return wrap_lib.ModuleWrapPolicy({BNBlock})
+    if which == "or":  # as PEFT's fsdp_auto_wrap_policy joins them
+        return functools.partial(wrap_lib._or_policy, policies=[
+            functools.partial(wrap_lib.lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Linear) and m.out_features == 3),
+            functools.partial(wrap_lib.transformer_auto_wrap_policy, transformer_layer_cls={Block})])
     return wrap_lib.size_based_auto_wrap_policy  # default min_num_params (1e8): no unit but the fp32 ones
 
 
@@ -101,6 +106,7 @@ def _same_units(rank, world_size, name, which, mp):
 @pytest.mark.parametrize("name,which,mp,expected", [
     ("mlp", "always", False, 13),  # root, inp, blocks (the ModuleList), 3 blocks, 6 Linears in them, out
     ("mlp", "custom", False, 12),
+    ("mlp", "or", False, 5),  # root, 3 blocks, the 3-wide output Linear
     ("bn", "bn_block", True, 5),
     ("bn", "size", True, 3),
 ])

@@ -93,6 +93,12 @@ class FlatLayout:
         self.shard_slices: list[ShardSlice | None] = [self._slice(p) for p in params]
 
     def _slice(self, p: ParamInfo) -> ShardSlice | None:
+        if p.numel == 0:
+            # torch's rule (inclusive ranges): in the one shard that holds elements on both sides of its offset, where
+            # it gets an empty .grad (and so optimizer state); padding counts, the shard is not clipped to numel.
+            start = self.rank * self.shard_numel
+            inside = start <= p.offset - 1 and start + self.shard_numel - 1 >= p.offset
+            return ShardSlice(p.offset - start, 0, 0) if inside else None
         lo, hi = max(p.offset, self.shard_start), min(p.offset + p.numel, self.shard_end)
         if lo >= hi:
             return None

@@ -63,6 +63,12 @@ def transformer_auto_wrap_policy(
     return True if recurse else isinstance(module, tuple(transformer_layer_cls))
 
 
+def _or_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, policies) -> bool:
+    """Wrap where any of ``policies`` would (torch's private helper, which PEFT
+    and Accelerate use to join a lambda policy and a transformer policy)."""
+    return any(policy(module=module, recurse=recurse, nonwrapped_numel=nonwrapped_numel) for policy in policies)
+
+
 def always_wrap_policy(*args, **kwargs) -> bool:
     """Every submodule becomes its own unit."""
     return True
