@@ -94,6 +94,26 @@ def _hybrid_without_groups():
     zs.FSDP(MLP(), sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD)
 
 
+def _hybrid_overlapping_groups():  # torch FSDP1 trains on these, 0.09 off after two steps
+    world = torch.distributed.group.WORLD
+    zs.FSDP(MLP(), sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD, process_group=(world, world))
+
+
+def _torch_fsdp_inside():  # was trained on silently, 0.15 off after two steps
+    import torch.distributed.fsdp as tfsdp
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = MLP()
+        model.blocks[1] = tfsdp.FullyShardedDataParallel(model.blocks[1], device_id=torch.device("cpu"))
+    zs.FSDP(model)
+
+
+def _param_init_fn_leaves_meta():  # was "Cannot copy out of meta tensor; no data!" from inside the flattening
+    with torch.device("meta"):
+        model = MLP()
+    zs.FSDP(model, param_init_fn=lambda m: None)
+
+
 def _device_id_without_cuda():
     zs.FSDP(MLP(), device_id=torch.device("cuda", 0))
 
@@ -109,6 +129,9 @@ CASES = {
     "meta_without_reset_parameters": (_meta_module, ValueError, ["reset_parameters()", "param_init_fn", "Fix"]),
     "no_sync_inner": (_no_sync_inner, RuntimeError, ["no_sync()", "root"]),
     "hybrid_without_groups": (_hybrid_without_groups, ValueError, ["HYBRID_SHARD", "fsdp_group_size", "Fix"]),
+    "hybrid_overlapping_groups": (_hybrid_overlapping_groups, ValueError, ["share ranks [0, 1]", "grid", "Fix"]),
+    "torch_fsdp_inside": (_torch_fsdp_inside, ValueError, ["blocks.1 is already wrapped by torch's", "Fix"]),
+    "param_init_fn_leaves_meta": (_param_init_fn_leaves_meta, ValueError, ["still on the meta device", "Fix"]),
     # A Parameter in ignored_modules (it belongs in ignored_states): was an AttributeError ('modules').
     "parameter_in_ignored_modules": (lambda: (lambda m: zs.FSDP(m, ignored_modules=[m.inp.weight]))(MLP()), ValueError,
                                      ["ignored_modules takes nn.Modules", "Parameter", "ignored_states", "Fix"]),

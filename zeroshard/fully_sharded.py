@@ -76,6 +76,7 @@ class FullyShardedDataParallel(nn.Module):
         strategy = sharding_strategy or (ShardingStrategy.HYBRID_SHARD if fsdp_group_size else ShardingStrategy.FULL_SHARD)
         ignored_modules, ignored_params = validation.split_ignored(ignored_modules, ignored_states, module)
         validation.check_extensions(bucket_cap_mb, param_persistence_threshold, quantized_all_gather, hpz_group_size)
+        validation.refuse_torch_fsdp_inside(module)
         if any(_is_unit(m) for m in ignored_modules or ()):  # torch FSDP1's rule, with the fix
             raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_modules should not "
                              "include FSDP modules (the unit would be sharded anyway). Fix: ignore the module it wraps "

@@ -70,6 +70,7 @@ def resolve(process_group, device_mesh, strategy, fsdp_group_size):
         if isinstance(process_group, tuple) and len(process_group) == 2:
             _check_member(process_group[0], "process_group[0] (the shard group)")
             _check_member(process_group[1], "process_group[1] (the replicate group)")
+            _check_hybrid(*process_group)
             return process_group
         if process_group is not None:
             raise ValueError("zeroshard: hybrid sharding takes process_group=(shard_group, replicate_group). "
@@ -87,6 +88,22 @@ def resolve(process_group, device_mesh, strategy, fsdp_group_size):
                          "kwargs (e.g. process_group=dist.group.WORLD to replicate it on every rank).")
     _check_member(process_group, "process_group")
     return process_group, None
+
+
+def _check_hybrid(shard, replicate) -> None:
+    """The two groups are a row and a column of a grid through this rank: they
+    share this rank only. Overlapping ones (e.g. the world twice) sum each
+    gradient over some ranks twice: wrong values, silently (torch FSDP1 trains
+    on them). (Their sizes need not multiply to the world: a data-parallel
+    grid may be part of a larger job.)"""
+    shard_ranks = set(dist.get_process_group_ranks(shard or dist.group.WORLD))
+    replicate_ranks = set(dist.get_process_group_ranks(replicate or dist.group.WORLD))
+    if shard_ranks & replicate_ranks != {dist.get_rank()}:
+        raise ValueError(
+            f"zeroshard: rank {dist.get_rank()}: HYBRID_SHARD's shard group (ranks {sorted(shard_ranks)}) and replicate "
+            f"group (ranks {sorted(replicate_ranks)}) share ranks {sorted(shard_ranks & replicate_ranks)}: they must "
+            "share only this rank (a row and a column of a grid). Fix: build them as a grid (e.g. "
+            "init_device_mesh('cpu', (replicas, shard_size)) and pass device_mesh=), or pass fsdp_group_size=k.")
 
 
 def _check_member(group, what: str) -> None:

@@ -62,6 +62,12 @@ def materialize(root: nn.Module, skip, device: torch.device, param_init_fn=None)
         wrapped = _wrapped_storages(root, skip)
         for m in modules:
             param_init_fn(m)
+        left = next((f"{type(m).__name__}.{n}" for m in modules for n, t in (*m.named_parameters(recurse=False),
+                     *m.named_buffers(recurse=False)) if t.is_meta), None)
+        if left is not None:
+            raise ValueError(f"zeroshard: after param_init_fn, {left} (in {type(root).__name__}) is still on the meta "
+                             "device, with no values to shard. Fix: have param_init_fn materialize every module it is "
+                             "given, e.g. module.to_empty(device=..., recurse=False) and then its initialization.")
         if wrapped != _wrapped_storages(root, skip):
             raise ValueError(
                 f"zeroshard: param_init_fn re-created the parameters of a unit wrapped already, inside "

@@ -228,6 +228,18 @@ def split_ignored(ignored_modules, ignored_states, module):
                      "Fix: split them, passing one kind.")
 
 
+def refuse_torch_fsdp_inside(module: nn.Module) -> None:
+    """A torch FSDP1 (or FSDP2) module inside: its FlatParameter (or DTensor
+    shards) would be sharded again as if they were plain parameters, and the
+    model trains on wrong values (0.15 off after two steps, silently)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel as TorchFSDP
+    for name, m in module.named_modules():
+        if isinstance(m, (TorchFSDP, FSDPModule)):
+            raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): "
+                             f"{name or 'the module itself'} is already wrapped by torch's {type(m).__name__}. Fix: wrap the "
+                             "plain model with zeroshard only (unwrap it, or let zeroshard's auto_wrap_policy make the units).")
+
+
 def check_extensions(bucket_cap_mb, param_persistence_threshold, quantized_all_gather, hpz_group_size):
     """The keywords beyond torch FSDP (see bucket, quantize, hpz): checked at
     construction, so a bad value never reaches the first forward."""
