@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from models import batch, build
+from models import Block, batch, build
 from parity import DEFAULTS, _wrap
 
 
@@ -669,3 +669,24 @@ def test_state_dict_hook_views_are_copied_with_offload_on_cpu(ranks, offload):
     (torch.load of the saved file then failed; reading it could segfault). torch FSDP1
     itself crashes on such hooks, so the reference is the plain model's state dict."""
     assert all(ranks.run(2, _hook_views_survive_the_gather, offload))
+
+
+def _key_missing_on_one_rank(rank, world_size):
+    import zeroshard as zs
+
+    model = zs.FSDP(build("mlp", seed=0), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    before = _full(model)
+    sd = build("mlp", seed=5).state_dict()
+    if rank == 1:
+        del sd["out.weight"]
+    with pytest.raises(RuntimeError, match=r"hold different state dict keys .*'out.weight'.*Fix"):
+        model.load_state_dict(sd)
+    after = _full(model)
+    return all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_key_missing_on_one_rank_is_refused_on_every_rank_before_loading(ranks):
+    """Rank 1 raised torch's 'Missing key(s)' while rank 0 reported success,
+    and out.weight was left half old, half new (torch FSDP1 too). Now every
+    rank refuses before anything is loaded."""
+    assert all(ranks.run(2, _key_missing_on_one_rank))

@@ -152,18 +152,20 @@ def check_row_shard(value) -> None:
                              "load a state dict saved by state_dict() under SHARDED_STATE_DICT (or torch FSDP1's).")
 
 
-def row_keys_differ(keys: list[str], group) -> RuntimeError | None:
+def row_keys_differ(keys: list[str], group, what: str = "row-sharded keys") -> RuntimeError | None:
     """A problem if the ranks of ``group`` (the shard group) hold different
-    row-sharded keys: a load all-gathers rows key by key, and mismatched
-    all-gathers abort the process under gloo (collective)."""
-    everyone = comm.gather_objects(keys, group, "load_state_dict: comparing the row-sharded keys")
+    ``keys`` (collective). Row-sharded ones: a load all-gathers rows key by key,
+    and mismatched all-gathers abort the process under gloo. Any key of a FULL
+    dict: loaded on some ranks only, it would leave a unit's shards a mix of
+    old and new values."""
+    everyone = comm.gather_objects(keys, group, f"load_state_dict: comparing the {what}")
     other = next((r for r, ks in enumerate(everyone) if ks != keys), None)
     if other is None:
         return None
     only_here, only_there = sorted(set(keys) - set(everyone[other])), sorted(set(everyone[other]) - set(keys))
-    return RuntimeError(f"zeroshard: load_state_dict(SHARDED_STATE_DICT): this rank and rank {other} of the shard group "
-                        f"hold different row-sharded keys (only here: {only_here[:3]}, only there: {only_there[:3]}). "
-                        "Fix: give every rank the state dict that state_dict() returned on it (or that DCP loaded).")
+    return RuntimeError(f"zeroshard: load_state_dict: this rank and rank {other} of the shard group hold different {what} "
+                        f"(only here: {only_here[:3]}, only there: {only_there[:3]}). Fix: give every rank the state dict "
+                        "that state_dict() returned on it (or that DCP loaded), the same keys on every rank.")
 
 
 def from_row_shard(value):

@@ -348,7 +348,9 @@ def load(root, state_dict, strict: bool = True):
             problem = e
         if rows:  # rows are all-gathered key by key: every rank must hold the same sharded keys (collective: always)
             differ = row_keys_differ(sorted(k for k, v in state_dict.items() if is_sharded(v)), root.process_group)
-            problem = problem or differ
+        else:  # a key one rank lacks (strict: it raises there alone) would be loaded by the others only
+            differ = row_keys_differ(sorted(map(str, state_dict)), root.process_group, "state dict keys")
+        problem = problem or differ
         _raise_if_any_rank_failed(root, problem)
         with _gathered_while_loading(root, rows):
             result = nn.Module.load_state_dict(root, state_dict, strict=False)
