@@ -690,3 +690,28 @@ def test_a_key_missing_on_one_rank_is_refused_on_every_rank_before_loading(ranks
     and out.weight was left half old, half new (torch FSDP1 too). Now every
     rank refuses before anything is loaded."""
     assert all(ranks.run(2, _key_missing_on_one_rank))
+
+
+def _local_load_damaged_on_one_rank(rank, world_size, use_orig_params):
+    import zeroshard as zs
+
+    model = zs.FSDP(build("mlp", seed=0), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    source = zs.FSDP(build("mlp", seed=5), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    with zs.FSDP.state_dict_type(source, zs.StateDictType.LOCAL_STATE_DICT):
+        sd = source.state_dict()
+    if rank == 1:
+        sd["blocks.2._flat_param"] = torch.zeros(3)  # the last unit's entry: the others would load first
+    before = _full(model)
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.LOCAL_STATE_DICT):
+        with pytest.raises((ValueError, RuntimeError), match="blocks.2._flat_param"):
+            model.load_state_dict(sd)
+    after = _full(model)
+    return all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_a_local_load_that_fails_on_one_rank_loads_nothing_anywhere(ranks, use_orig_params):
+    """A damaged LOCAL entry on rank 1: 12 of 16 parameters were overwritten
+    before it raised there, and rank 0 returned with its part loaded (torch
+    FSDP1 too). Every entry is now checked, on every rank, before any write."""
+    assert all(ranks.run(2, _local_load_damaged_on_one_rank, use_orig_params))

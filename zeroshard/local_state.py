@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from .state_dict import (CHECKPOINT_PREFIX, FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key,
-                         plain_module_behaviour)
+                         plain_module_behaviour, raise_if_any_rank_failed)
 from .mixed_precision import orig_buffer_dtypes
 from .summon import summon_full_params, units_of
 
@@ -122,8 +122,8 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     return out
 
 
-def _load_flat(h, value, key: str):
-    """Copy a saved flat entry into this rank's shard (zeros in the padding)."""
+def _flat_local(h, value, key: str) -> torch.Tensor:
+    """This rank's elements of a saved flat entry, checked against its shard (raises ValueError)."""
     n = h.local_shard.numel()
     start, valid = h.layout.shard_start, h.layout.shard_end - h.layout.shard_start
     hint = (f"(saved at another world size or from another model? this run has world size {h.world_size}). Fix: load "
@@ -142,6 +142,12 @@ def _load_flat(h, value, key: str):
         shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
         raise ValueError(f"zeroshard: LOCAL state dict entry '{key}' is {shape} but this rank's shard of unit "
                          f"'{h.unit_name}' has {valid} elements {hint}")
+    return local
+
+
+def _write_flat(h, local: torch.Tensor):
+    """Copy checked elements into this rank's shard (zeros in the padding)."""
+    valid = local.numel()
     with torch.no_grad():
         h.local_shard[:valid].copy_(local)
         h.local_shard[valid:].zero_()
@@ -157,7 +163,7 @@ def load(root, state_dict, strict: bool = True):
     flat_keys = {clean_fqn(p) + FLAT_PARAM: h for p, h in sharded}
     with _full_no_shard_units(no_shard, writeback=True):
         with plain_module_behaviour():
-            current = [k for k in nn.Module.state_dict(root, keep_vars=True)]
+            current = nn.Module.state_dict(root, keep_vars=True)
         raw_of = {clean_fqn(k): k for k in current}
         flats, rest, unexpected = [], {}, []
         for k, v in state_dict.items():
@@ -168,13 +174,30 @@ def load(root, state_dict, strict: bool = True):
                 rest[raw_of[key]] = v
             else:
                 unexpected.append(k)
+        given = {key for key, _ in flats}
+        missing = [clean_fqn(k) for k in current if k not in rest and clean_fqn(k) not in flat_keys]
+        missing += [key for key in flat_keys if key not in given]
+        # Everything checked, and agreed by every rank, before the first write: a failure half-way left the
+        # model part loaded, and a rank whose dict was fine went on alone (torch FSDP1 too).
+        try:
+            locals_ = [(flat_keys[key], _flat_local(flat_keys[key], v, key)) for key, v in flats]
+            _check_shapes(rest, current)
+            if strict and (missing or unexpected):
+                raise RuntimeError(f"zeroshard: LOCAL state dict mismatch: missing {missing}, unexpected {unexpected}. Fix: "
+                                   "load the LOCAL state dict this model saved at this world size (or pass strict=False).")
+            problem = None
+        except (RuntimeError, ValueError) as e:
+            problem = e
+        raise_if_any_rank_failed(root, problem)
         result = nn.Module.load_state_dict(root, rest, strict=False)
-        for key, v in flats:  # after the original parameters' views: the flat shard has the last word
-            _load_flat(flat_keys[key], v, key)
-    given = {key for key, _ in flats}
-    missing = [clean_fqn(k) for k in result.missing_keys if clean_fqn(k) not in flat_keys]
-    missing += [key for key in flat_keys if key not in given]
-    if strict and (missing or unexpected):
-        raise RuntimeError(f"zeroshard: LOCAL state dict mismatch: missing {missing}, unexpected {unexpected}. Fix: load "
-                           "the LOCAL state dict this model saved at this world size (or pass strict=False).")
+        for h, local in locals_:  # after the original parameters' views: the flat shard has the last word
+            _write_flat(h, local)
     return type(result)(missing, unexpected)
+
+
+def _check_shapes(rest: dict, current: dict):
+    for k, v in rest.items():
+        have = current[k]
+        if torch.is_tensor(v) and torch.is_tensor(have) and tuple(v.shape) != tuple(have.shape) and not k.endswith("_extra_state"):
+            raise ValueError(f"zeroshard: LOCAL state dict entry '{clean_fqn(k)}' has shape {tuple(v.shape)} but the model's "
+                             f"is {tuple(have.shape)}. Fix: load the LOCAL state dict this model saved at this world size.")

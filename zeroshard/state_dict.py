@@ -317,7 +317,7 @@ def refuse_dcp_state_dict_helpers(unit):
                        "saved with zeroshard.checkpoint.save_sharded / load_sharded (or torch.distributed.checkpoint).")
 
 
-def _raise_if_any_rank_failed(root, problem: Exception | None):
+def raise_if_any_rank_failed(root, problem: Exception | None):
     """Every rank of the root's groups learns whether any rank's state dict is
     unloadable before one writes anything: a rank loading alone would leave
     the shards a mix of old and new values on a model whose other ranks raised."""
@@ -351,7 +351,7 @@ def load(root, state_dict, strict: bool = True):
         else:  # a key one rank lacks (strict: it raises there alone) would be loaded by the others only
             differ = row_keys_differ(sorted(map(str, state_dict)), root.process_group, "state dict keys")
         problem = problem or differ
-        _raise_if_any_rank_failed(root, problem)
+        raise_if_any_rank_failed(root, problem)
         with _gathered_while_loading(root, rows):
             result = nn.Module.load_state_dict(root, state_dict, strict=False)
         missing, unexpected = [clean_key(k) for k in result.missing_keys], [clean_key(k) for k in result.unexpected_keys]
