@@ -132,6 +132,11 @@ CASES = {
     "hybrid_overlapping_groups": (_hybrid_overlapping_groups, ValueError, ["share ranks [0, 1]", "grid", "Fix"]),
     "torch_fsdp_inside": (_torch_fsdp_inside, ValueError, ["blocks.1 is already wrapped by torch's", "Fix"]),
     "param_init_fn_leaves_meta": (_param_init_fn_leaves_meta, ValueError, ["still on the meta device", "Fix"]),
+    # Were AttributeError: 'bool' / 'dict' object has no attribute ..., and a bare TypeError (torch's too).
+    "cpu_offload_bool": (functools.partial(zs.FSDP, MLP(), cpu_offload=True), ValueError, ["cpu_offload=True", "Fix"]),
+    "mixed_precision_dict": (functools.partial(zs.FSDP, MLP(), mixed_precision={"param_dtype": torch.bfloat16}),
+                             ValueError, ["is not a MixedPrecision", "Fix"]),
+    "device_id_float": (functools.partial(zs.FSDP, MLP(), device_id=1.5), ValueError, ["device_id=1.5", "Fix"]),
     # A Parameter in ignored_modules (it belongs in ignored_states): was an AttributeError ('modules').
     "parameter_in_ignored_modules": (lambda: (lambda m: zs.FSDP(m, ignored_modules=[m.inp.weight]))(MLP()), ValueError,
                                      ["ignored_modules takes nn.Modules", "Parameter", "ignored_states", "Fix"]),

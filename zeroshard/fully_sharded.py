@@ -77,6 +77,7 @@ class FullyShardedDataParallel(nn.Module):
         ignored_modules, ignored_params = validation.split_ignored(ignored_modules, ignored_states, module)
         validation.check_extensions(bucket_cap_mb, param_persistence_threshold, quantized_all_gather, hpz_group_size)
         validation.refuse_torch_fsdp_inside(module)
+        validation.check_option_types(cpu_offload, mixed_precision, device_id)
         if any(_is_unit(m) for m in ignored_modules or ()):  # torch FSDP1's rule, with the fix
             raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_modules should not "
                              "include FSDP modules (the unit would be sharded anyway). Fix: ignore the module it wraps "

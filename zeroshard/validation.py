@@ -240,6 +240,20 @@ def refuse_torch_fsdp_inside(module: nn.Module) -> None:
                              "plain model with zeroshard only (unwrap it, or let zeroshard's auto_wrap_policy make the units).")
 
 
+def check_option_types(cpu_offload, mixed_precision, device_id) -> None:
+    """The config objects by what they hold (torch's own classes pass too), so a
+    bool or a dict is named here instead of failing as an AttributeError later."""
+    if cpu_offload is not None and not hasattr(cpu_offload, "offload_params"):
+        raise ValueError(f"zeroshard: cpu_offload={cpu_offload!r} is not a CPUOffload. "
+                         "Fix: pass cpu_offload=CPUOffload(offload_params=True) (or leave it None).")
+    if mixed_precision is not None and not hasattr(mixed_precision, "param_dtype"):
+        raise ValueError(f"zeroshard: mixed_precision={mixed_precision!r} is not a MixedPrecision. "
+                         "Fix: pass mixed_precision=MixedPrecision(param_dtype=..., reduce_dtype=..., buffer_dtype=...).")
+    if device_id is not None and (isinstance(device_id, bool) or not isinstance(device_id, (int, str, torch.device))):
+        raise ValueError(f"zeroshard: device_id={device_id!r} ({type(device_id).__name__}) is not a device. "
+                         'Fix: pass an int (a CUDA index) or a torch.device, e.g. device_id=torch.device("cpu").')
+
+
 def check_extensions(bucket_cap_mb, param_persistence_threshold, quantized_all_gather, hpz_group_size):
     """The keywords beyond torch FSDP (see bucket, quantize, hpz): checked at
     construction, so a bad value never reaches the first forward."""
