@@ -195,14 +195,12 @@ def _is_elem(v) -> bool:
     return torch.is_tensor(v) and v.dim() > 0
 
 
-def _ordered(state: dict, orig_params: bool, held: dict | None) -> dict:
+def _ordered(state: dict, orig_params: bool) -> dict:
     """torch's order inside one parameter's state. Flat parameters: per-element
     tensors, then zero-dim tensors, then the rest. With ``use_orig_params``:
     the rest, then zero-dim tensors, then per-element tensors. Each kind
-    sorted by name, except for a NO_SHARD ``use_orig_params`` parameter,
-    whose state torch passes through in the optimizer's own order (``held``)."""
-    if orig_params and held is not None:
-        return {k: state[k] for k in (*held, *state) if k in state}
+    sorted by name (a NO_SHARD ``use_orig_params`` parameter's state passes
+    through in the optimizer's own order instead: see :func:`_gather_unit`)."""
 
     def rank(kv):
         kind = 0 if _is_elem(kv[1]) else 1 if torch.is_tensor(kv[1]) else 2
@@ -279,8 +277,7 @@ def _gather_unit(h, prefix: str, states_of: dict, finish) -> dict[str, dict]:
         for k, (kind, v) in names.items():
             if kind == "scalar":
                 out[clean_fqn(prefix + h.layout.params[i].fqn)][k] = v.detach().to("cpu", copy=True) if torch.is_tensor(v) else v
-    held = {clean_fqn(prefix + info.fqn): st for info, st in zip(h.layout.params, states)} if not h.sharded else {}
-    return {k: _ordered(v, h.use_orig_params, held.get(k)) for k, v in out.items()}
+    return {k: _ordered(v, h.use_orig_params) for k, v in out.items()}
 
 
 def _full_flat(h, states, name, dtype, device, flat: bool) -> torch.Tensor:
@@ -290,14 +287,10 @@ def _full_flat(h, states, name, dtype, device, flat: bool) -> torch.Tensor:
     if flat:  # the FlatParameter's state is already this rank's shard (or full with NO_SHARD)
         st = states[0]
         shard = st[name] if st is not None and name in st else torch.zeros(h.local_shard.numel(), dtype=dtype, device=device)
-    else:
+    else:  # use_orig_params, sharded (an unsharded unit's states pass through: see _gather_unit)
         shard = torch.zeros(h.local_shard.numel(), dtype=dtype, device=device)
-        for st, info, sl in zip(states, layout.params, layout.shard_slices):
-            if st is None or name not in st:
-                continue
-            if not h.sharded:
-                shard[info.offset : info.offset + info.numel].copy_(info.flat_of(st[name]))
-            elif sl is not None:
+        for st, sl in zip(states, layout.shard_slices):
+            if st is not None and name in st and sl is not None:
                 shard[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard].copy_(st[name])
     if not h.sharded or h.world_size == 1:
         return shard
