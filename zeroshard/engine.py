@@ -338,10 +338,7 @@ class Engine(ConfigGetters, nn.Module):
         if self.zero1 is not None:
             return self.zero1.clip_grad_norm_(max_norm)
         if max_norm == math.inf:
-            if self.stage >= 2:
-                return grad_norm.total_norm(self.wrapped)
-            grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-            return torch.nn.utils.get_total_norm(grads) if grads else torch.tensor(0.0)
+            return grad_norm.total_norm(self.wrapped) if self.stage >= 2 else grad_norm.local_total_norm(self.module.parameters())
         if self.stage >= 2:
             return self.wrapped.clip_grad_norm_(max_norm)
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)

@@ -49,9 +49,14 @@ def total_norm(root, norm_type: float = 2.0) -> torch.Tensor:
     """The norm :func:`clip_grad_norm_` would return (in fp32), gradients untouched
     (collective when a unit is sharded)."""
     if all(not h.sharded for h in root._runtime.handles):
-        grads = [p.grad for p in root.parameters() if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
+        return local_total_norm(root.parameters(), norm_type)
     return _total_norm(root, float(norm_type))[0]
+
+
+def local_total_norm(params, norm_type: float = 2.0) -> torch.Tensor:
+    """The norm ``torch.nn.utils.clip_grad_norm_(params)`` would return, gradients untouched (0 without any)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads, norm_type) if grads else torch.tensor(0.0)
 
 
 def _total_norm(root, norm_type: float):

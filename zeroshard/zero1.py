@@ -95,6 +95,8 @@ class ZeroOneOptimizer:
         self.group = process_group
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        # Whether this rank / any rank had a gradient at the last reduce (see clip_grad_norm_).
+        self.had_grads = self.any_grads = True
         self.partitions: list[_Partition | None] = []
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
@@ -120,7 +122,7 @@ class ZeroOneOptimizer:
         A parameter without ``.grad`` contributes zeros: its elements are still
         stepped with the chunk (as in DeepSpeed; DDP would skip the parameter)."""
         pending = []
-        self.had_grads = any(p.grad is not None for p in self.model_params())  # this rank's; see clip_grad_norm_
+        self.had_grads = any(p.grad is not None for p in self.model_params())
         for part in self.parts:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in part.params]
             flat = ext.flatten(grads, part.offsets, part.layout.padded_numel)
@@ -151,7 +153,7 @@ class ZeroOneOptimizer:
         norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
         local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
         inf = norm_type == float("inf")
-        both = torch.stack([local if inf else local**norm_type, torch.tensor(float(getattr(self, "had_grads", True)), device=device)])
+        both = torch.stack([local if inf else local**norm_type, torch.tensor(float(self.had_grads), device=device)])
         if self.world > 1:
             comm.all_reduce(both, self.group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                             what=f"ZeRO-1 clip_grad_norm_ ({'max norm' if inf else 'sum of squares'})")
