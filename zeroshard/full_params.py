@@ -62,8 +62,7 @@ class FullParams:
         g = self.flat_param.grad
         if not self.sharded:
             return g is not None
-        unreduced = g is not None and g.numel() != self.local_shard.numel()
-        have = torch.tensor([g is not None, unreduced], dtype=torch.int32, device=self.local_shard.device)
+        have = torch.tensor([g is not None, self.grad_unreduced()], dtype=torch.int32, device=self.local_shard.device)
         comm.all_reduce(have, self.group, op=dist.ReduceOp.MAX, what=f"summon_full_params(with_grads) of unit '{self.unit_name}'")
         if have[1].item():
             raise RuntimeError(

@@ -93,6 +93,11 @@ class OrigParams:
         stretch of this rank's flat buffer: the 1-D slice itself, or the full one in memory order."""
         return x.reshape(-1) if self.sharded else info.flat_of(x)
 
+    def grad_unreduced(self) -> bool:
+        """The flat gradient is the full-size one ``no_sync`` accumulated, not yet reduce-scattered."""
+        g = self.flat_param.grad
+        return self.sharded and g is not None and g.numel() == self.layout.numel != self.local_shard.numel()
+
     def use_grad_views(self):
         """Re-point the grads at the flat gradient (after a forward, as torch does,
         and after a synchronized backward): unsharded views while it is the
@@ -100,8 +105,7 @@ class OrigParams:
         the synchronizing backward skipped), whose slices at shard offsets would
         pass for reduced shards; the optimizer check then names the unit
         (validation._check_no_unreduced)."""
-        g = self.flat_param.grad
-        if self.sharded and g is not None and g.numel() == self.layout.numel != self.local_shard.numel():
+        if self.grad_unreduced():
             self.use_unsharded_grad_views()
         else:
             self.use_sharded_grad_views()
