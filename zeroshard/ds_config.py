@@ -226,7 +226,7 @@ def load_config(config, world_size: int) -> DeepSpeedConfig:
     if config.get("scheduler") is not None:
         cfg.scheduler = _scheduler(_section("scheduler", config["scheduler"]), unknown)
     fp16 = _section("fp16", config.get("fp16", {}))
-    unknown += _sort_out("fp16", [k for k in fp16 if k not in FP16_KEYS], DS_FP16_KEYS)
+    _sort_out("fp16", [k for k in fp16 if k not in FP16_KEYS], DS_FP16_KEYS, unknown)
     cfg.fp16 = FP16Config(
         enabled=_bool("fp16.enabled", fp16.get("enabled", False)),
         loss_scale=_number("fp16.loss_scale", fp16.get("loss_scale", 0.0)),
@@ -243,7 +243,7 @@ def load_config(config, world_size: int) -> DeepSpeedConfig:
         raise _bad("bfloat16", config["bfloat16"], '"bf16" and its alias "bfloat16" are both given', "keep one of them")
     bf16_key = "bfloat16" if "bfloat16" in config else "bf16"
     bf16 = _section(bf16_key, config.get(bf16_key, {}))
-    unknown += _sort_out(bf16_key, [k for k in bf16 if k != "enabled"], DS_BF16_KEYS)
+    _sort_out(bf16_key, [k for k in bf16 if k != "enabled"], DS_BF16_KEYS, unknown)
     cfg.bf16 = _bool(f"{bf16_key}.enabled", bf16.get("enabled", False))
     if cfg.bf16 and cfg.fp16.enabled:
         raise _bad("fp16.enabled", True, f'"fp16" and "{bf16_key}" cannot both be enabled', "enable one of them")
@@ -255,16 +255,17 @@ def load_config(config, world_size: int) -> DeepSpeedConfig:
     return cfg
 
 
-def _sort_out(section: str, keys: list, deepspeed_keys: set) -> list:
-    """``keys`` of ``section`` that zeroshard does not read: DeepSpeed's own are
-    returned (to be ignored with a warning); any other is a typo, refused as
-    DeepSpeed refuses it."""
+def _sort_out(section: str, keys: list, deepspeed_keys: set, unknown: list) -> list:
+    """``keys`` of ``section`` that zeroshard does not read: any that is not
+    DeepSpeed's own is a typo, refused as DeepSpeed refuses it; the others go
+    on ``unknown`` (ignored with a warning) and are returned."""
     typos = [k for k in keys if k not in deepspeed_keys]
     if typos:
         raise ValueError(f"zeroshard config: unknown key(s) {', '.join(repr(f'{section}.{k}') for k in typos)}: DeepSpeed "
                          f"refuses them too. Fix: check the spelling; the keys zeroshard reads there are listed in "
                          "zeroshard/ds_config.py.")
-    return [f"{section}.{k}" for k in keys]
+    unknown += [f"{section}.{k}" for k in keys]
+    return keys
 
 
 def _batch_sizes(config: dict, world: int) -> tuple[int, int, int]:
@@ -300,13 +301,13 @@ def _optimizer(sec: dict, unknown: list) -> dict:
     params = dict(_section("optimizer.params", sec.get("params", {})))
     family = "sgd" if kind == "sgd" else "adam"
     allowed = OPTIMIZER_PARAMS[family] | OPTIMIZER_TORCH[family]
-    ignored = _sort_out("optimizer.params", [k for k in params if k not in allowed], allowed | DS_OPTIMIZER_EXTRA[family])
+    ignored = _sort_out("optimizer.params", [k for k in params if k not in allowed], allowed | DS_OPTIMIZER_EXTRA[family],
+                        unknown)
     if params.get("bias_correction", True) is not True:
         raise _bad("optimizer.params.bias_correction", params["bias_correction"], "zeroshard's Adam always corrects the "
                    "bias (torch's Adam/AdamW)", "drop the key")
-    unknown += ignored
     for k in ignored:
-        del params[k[len("optimizer.params."):]]
+        del params[k]
     for k in ("lr", "eps", "weight_decay", "momentum", "dampening"):
         if k in params:
             params[k] = _number(f"optimizer.params.{k}", params[k])
@@ -345,13 +346,12 @@ def _scheduler(sec: dict, unknown: list) -> dict:
                    'use one of them (or pass lr_scheduler=... to initialize)')
     params = dict(_section("scheduler.params", sec.get("params", {})))
     ignored = _sort_out("scheduler.params", [k for k in params if k not in SCHEDULER_PARAMS[kind]],
-                        SCHEDULER_PARAMS[kind] | DS_SCHEDULER_EXTRA)
+                        SCHEDULER_PARAMS[kind] | DS_SCHEDULER_EXTRA, unknown)
     if params.get("last_batch_iteration", -1) != -1:
         raise _bad("scheduler.params.last_batch_iteration", params["last_batch_iteration"], "zeroshard's schedulers "
                    "start at the beginning (a resumed run restores their position from the checkpoint)", "drop the key")
-    unknown += ignored
     for k in ignored:
-        del params[k[len("scheduler.params."):]]
+        del params[k]
     for k in ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio"):
         if params.get(k) is not None:
             params[k] = _number(f"scheduler.params.{k}", params[k])
@@ -388,6 +388,6 @@ def _zero(sec: dict, unknown: list) -> ZeroConfig:
         zero.mapped[k] = _number(f"zero_optimization.{k}", sec[k])
     for k in sorted(ZERO_NOT_ACTED_ON & set(sec)):
         zero.not_acted_on[k] = _number(f"zero_optimization.{k}", sec[k])
-    unknown += _sort_out("zero_optimization", [k for k in sec if k not in ZERO_KEYS | ZERO_MAPPED | ZERO_NOT_ACTED_ON],
-                         DS_ZERO_KEYS)
+    _sort_out("zero_optimization", [k for k in sec if k not in ZERO_KEYS | ZERO_MAPPED | ZERO_NOT_ACTED_ON], DS_ZERO_KEYS,
+              unknown)
     return zero
