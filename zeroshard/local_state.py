@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from .state_dict import (CHECKPOINT_PREFIX, FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key,
-                         plain_module_behaviour, raise_if_any_rank_failed)
+                         plain_module_behaviour, raise_if_any_rank_failed, shape_mismatch)
 from .mixed_precision import orig_buffer_dtypes
 from .summon import summon_full_params, units_of
 
@@ -181,7 +181,10 @@ def load(root, state_dict, strict: bool = True):
         # model part loaded, and a rank whose dict was fine went on alone (torch FSDP1 too).
         try:
             locals_ = [(flat_keys[key], _flat_local(flat_keys[key], v, key)) for key, v in flats]
-            _check_shapes(rest, current)
+            bad = shape_mismatch(rest, current)
+            if bad is not None:
+                raise ValueError(f"zeroshard: LOCAL state dict entry '{clean_fqn(bad[0])}' has shape {bad[1]} but the "
+                                 f"model's is {bad[2]}. Fix: load the LOCAL state dict this model saved at this world size.")
             if strict and (missing or unexpected):
                 raise RuntimeError(f"zeroshard: LOCAL state dict mismatch: missing {missing}, unexpected {unexpected}. Fix: "
                                    "load the LOCAL state dict this model saved at this world size (or pass strict=False).")
@@ -193,11 +196,3 @@ def load(root, state_dict, strict: bool = True):
         for h, local in locals_:  # after the original parameters' views: the flat shard has the last word
             _write_flat(h, local)
     return type(result)(missing, unexpected)
-
-
-def _check_shapes(rest: dict, current: dict):
-    for k, v in rest.items():
-        have = current[k]
-        if torch.is_tensor(v) and torch.is_tensor(have) and tuple(v.shape) != tuple(have.shape) and not k.endswith("_extra_state"):
-            raise ValueError(f"zeroshard: LOCAL state dict entry '{clean_fqn(k)}' has shape {tuple(v.shape)} but the model's "
-                             f"is {tuple(have.shape)}. Fix: load the LOCAL state dict this model saved at this world size.")

@@ -295,14 +295,23 @@ def _normalize_full(state_dict, current: dict) -> dict:
     if stripped:
         warnings.warn(f"zeroshard: load_state_dict stripped a 'module.' (DDP) or '{WRAPPED_PREFIX}' (FSDP) prefix from "
                       f"{len(stripped)} key(s), e.g. '{stripped[0]}'; this model's keys are the plain model's.", stacklevel=4)
-    for k, v in out.items():
-        want = getattr(current.get(k), "shape", current.get(k))  # a tensor, or a shape
-        extra = k.endswith("_extra_state")  # set_extra_state takes anything, as in torch
-        if k in current and not extra and torch.is_tensor(v) and tuple(v.shape) != tuple(want):
-            raise RuntimeError(f"zeroshard: load_state_dict: '{k}' has shape {tuple(v.shape)} in the state dict but "
-                             f"{tuple(want)} in the model. Fix: load a state dict saved from the same model "
-                             "configuration.")
+    bad = shape_mismatch(out, current)
+    if bad is not None:
+        raise RuntimeError(f"zeroshard: load_state_dict: '{bad[0]}' has shape {bad[1]} in the state dict but "
+                           f"{bad[2]} in the model. Fix: load a state dict saved from the same model configuration.")
     return out
+
+
+def shape_mismatch(values: dict, current: dict) -> tuple | None:
+    """(key, shape given, shape in the model) of the first tensor in ``values``
+    whose shape differs from ``current``'s entry (a tensor, or a shape), or None.
+    Extra states are not compared: set_extra_state takes anything, as in torch."""
+    for k, v in values.items():
+        if k in current and torch.is_tensor(v) and not k.endswith("_extra_state"):
+            want = tuple(getattr(current[k], "shape", current[k]))
+            if tuple(v.shape) != want:
+                return k, tuple(v.shape), want
+    return None
 
 
 def refuse_dcp_state_dict_helpers(unit):
