@@ -11,14 +11,9 @@ script runs by changing its import::
 
 ZeRO stages (``zero_optimization.stage``) become:
 
-* 0, data parallel: DeepSpeed's own ``allreduce_gradients``. At an
-  accumulation boundary ``backward`` sums every trainable parameter's gradient
-  over the ranks and scales it by 1/world_size, a parameter that got no
-  gradient contributing zeros (so every rank reduces the same elements and the
-  optimizer steps it, as in DeepSpeed). torch DDP, used here before, refuses a
-  parameter without gradient (its next forward raises) and broadcasts rank 0's
-  buffers every forward, which DeepSpeed does not. The user's parameter
-  objects stay the optimizer's, as at every stage.
+* 0, data parallel: DeepSpeed's own ``allreduce_gradients`` at an
+  accumulation boundary (``data_parallel``). The user's parameter objects stay
+  the optimizer's, as at every stage.
 * 1, optimizer states sharded: ``zero1.ZeroOneOptimizer`` (from scratch;
   torch FSDP has no ZeRO-1).
 * 2: ``FullyShardedDataParallel(sharding_strategy=SHARD_GRAD_OP)``.
@@ -62,7 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from . import comm, ds_checkpoint, ext, grad_norm, materialize
+from . import data_parallel, ds_checkpoint, grad_norm, materialize
 from .ds_config import ConfigGetters, build_optimizer, load_config
 from .lr_schedules import build_scheduler
 from .fully_sharded import FullyShardedDataParallel
@@ -70,7 +65,6 @@ from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unsca
 from .options import CPUOffload, MixedPrecision, ShardingStrategy
 from .zero1 import ZeroOneOptimizer
 
-_ALLREDUCE_BUCKET = 500_000_000  # elements: DeepSpeed's MEMORY_OPT_ALLREDUCE_SIZE
 _STRATEGIES = {3: (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
                2: (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)}
 
@@ -226,7 +220,7 @@ class Engine(ConfigGetters, nn.Module):
         scaled = loss if self.loss_scaler is None else loss.float() * self.loss_scaler.loss_scale
         scaled.backward(retain_graph=retain_graph)
         if self.stage == 0 and self.is_gradient_accumulation_boundary() and not self._no_sync:
-            self._allreduce_gradients()
+            data_parallel.allreduce_gradients(self.module.parameters(), self.world_size)
         return loss
 
     @contextlib.contextmanager
@@ -246,39 +240,6 @@ class Engine(ConfigGetters, nn.Module):
             yield
         finally:
             self._no_sync = False
-
-    @torch.no_grad()
-    def _allreduce_gradients(self) -> None:
-        """Stage 0 at a boundary, as DeepSpeed's ``allreduce_gradients``: a trainable
-        parameter without ``.grad`` gets zeros (a sparse one is made dense, so every
-        rank reduces the same elements), then every gradient is summed over the
-        ranks and multiplied by 1/world_size (DeepSpeed's post-scaling; the same
-        bits as DDP's pre-division when world_size is a power of 2), in flat
-        buckets of at most DeepSpeed's 5e8 elements per dtype."""
-        by_kind: dict = {}  # (dtype, device) -> gradients, in parameter order (the same on every rank)
-        for p in self.module.parameters():
-            if not p.requires_grad or p.numel() == 0:
-                continue
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            elif p.grad.layout != torch.strided:
-                p.grad = p.grad.to_dense()
-            by_kind.setdefault((p.grad.dtype, p.grad.device), []).append(p.grad)
-        if self.world_size == 1:
-            return
-        for grads in by_kind.values():
-            start = 0
-            while start < len(grads):
-                offsets, numel, end = [], 0, start
-                while end < len(grads) and (end == start or numel + grads[end].numel() <= _ALLREDUCE_BUCKET):
-                    offsets.append(numel)
-                    numel += grads[end].numel()
-                    end += 1
-                flat = ext.flatten(grads[start:end], offsets, numel)
-                comm.all_reduce(flat, dist.group.WORLD, what="ZeRO stage 0 gradients")
-                flat.mul_(1.0 / self.world_size)
-                ext.unflatten_into(flat, offsets, grads[start:end])
-                start = end
 
     def is_gradient_accumulation_boundary(self) -> bool:
         """Whether the current micro-step (the one ``step()`` will close) ends an accumulation."""
