@@ -20,7 +20,7 @@ from parity import train_step as _step
 from parity import trained_with_adamw as _trained_pair
 from parity import wrapped_with_adamw as _engines
 from zeroshard import checkpoint, optim_load, optim_state
-from zeroshard.optim_state import FullOptimStateDictConfig
+from zeroshard import FullOptimStateDictConfig
 
 
 def _torch_osd(model, opt):
@@ -465,6 +465,22 @@ def test_saving_a_rank0_only_state_dict_on_every_rank_is_refused_off_rank0(ranks
     assert out1.startswith("zeroshard: checkpoint.save: rank 1 is saving the empty state a rank0_only state dict gives"), out1
     assert "Fix: save on rank 0 only" in out1, out1
     assert keys0 == keys1 and len(keys0) > 0 and "blocks.0.l1.weight" in keys0, keys0
+
+
+def _torch_configs_rank0_only(rank, world_size):
+    model, opt = _zs_model("mlp", False)
+    with zs.FSDP.state_dict_type(model, tfsdp.StateDictType.FULL_STATE_DICT,
+                                 tfsdp.FullStateDictConfig(rank0_only=True, offload_to_cpu=True),
+                                 tfsdp.FullOptimStateDictConfig(rank0_only=True)):
+        return sorted(model.state_dict()), sorted(zs.FSDP.optim_state_dict(model, opt))
+
+
+def test_torch_config_classes_set_rank0_only(ranks):
+    """torch's own FullStateDictConfig(rank0_only=True) counts as zeroshard's:
+    rank 1 gets {} from state_dict() (it got the whole model before)."""
+    (model0, optim0), (model1, optim1) = ranks.run(2, _torch_configs_rank0_only)
+    assert "blocks.0.l1.weight" in model0 and optim0 == ["param_groups", "state"], (model0, optim0)
+    assert model1 == [] and optim1 == [], (model1, optim1)
 
 
 # ------------------------------------------------- prefixed / misshapen FULL

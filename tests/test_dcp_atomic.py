@@ -206,7 +206,7 @@ def _mlp():
 
 
 def _state_of(model, opt):
-    from zeroshard.optim_state import ShardedOptimStateDictConfig
+    from zeroshard import ShardedOptimStateDictConfig
 
     with zs.FSDP.state_dict_type(model, zs.StateDictType.SHARDED_STATE_DICT, None, ShardedOptimStateDictConfig()):
         return {"model": model.state_dict(), "optim": zs.FSDP.optim_state_dict(model, opt)}

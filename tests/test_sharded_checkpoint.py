@@ -21,7 +21,7 @@ from parity import train_step as _step
 from parity import trained_with_adamw as _trained_pair
 from parity import wrapped_with_adamw
 from zeroshard import checkpoint, optim_state
-from zeroshard.optim_state import ShardedOptimStateDictConfig
+from zeroshard import ShardedOptimStateDictConfig
 from zeroshard.sharded_state import is_sharded
 
 SHARDED = zs.StateDictType.SHARDED_STATE_DICT

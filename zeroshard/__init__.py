@@ -55,22 +55,20 @@ from .quantize import Int8BlockQuant
 from .fully_sharded import FSDP, FullyShardedDataParallel
 from .handle import unsharded_tracker
 from .optim_legacy import OptimStateKeyType
-from .optim_state import (
-    FullOptimStateDictConfig,
-    LocalOptimStateDictConfig,
-    OptimStateDictConfig,
-    ShardedOptimStateDictConfig,
-    StateDictSettings,
-)
 from .options import (
     BackwardPrefetch,
     CPUOffload,
+    FullOptimStateDictConfig,
     FullStateDictConfig,
+    LocalOptimStateDictConfig,
     LocalStateDictConfig,
     MixedPrecision,
+    OptimStateDictConfig,
+    ShardedOptimStateDictConfig,
     ShardedStateDictConfig,
     ShardingStrategy,
     StateDictConfig,
+    StateDictSettings,
     StateDictType,
 )
 

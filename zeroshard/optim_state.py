@@ -43,61 +43,15 @@ A freshly built optimizer has no state for DCP to load into:
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .options import StateDictConfig, StateDictType
+from .options import DEFAULT_OPTIM_CONFIG, StateDictSettings, StateDictType
 from .sharded_state import device_mesh, to_chunk_sharded_tensor, to_row_shard
 from .state_dict import OffRank0, clean_fqn, clean_key
 from .summon import units_of
-
-
-@dataclass
-class OptimStateDictConfig:
-    """``offload_to_cpu``: accepted for torch's signature; FULL states are always returned on CPU."""
-
-    offload_to_cpu: bool = True
-
-
-@dataclass
-class FullOptimStateDictConfig(OptimStateDictConfig):
-    """``rank0_only``: only rank 0 gets the full dict (others ``{}``); loading
-    then takes the dict from rank 0 only."""
-
-    rank0_only: bool = False
-
-
-@dataclass
-class ShardedOptimStateDictConfig(OptimStateDictConfig):
-    """States as DTensors of this rank's rows (see ``sharded_state``); ``_use_dtensor``:
-    torch's keyword, accepted (they are DTensors whatever it says)."""
-
-    _use_dtensor: bool = False
-
-
-@dataclass
-class LocalOptimStateDictConfig(OptimStateDictConfig):
-    """The optimizer config paired with LOCAL_STATE_DICT (torch's name; no options used)."""
-
-    offload_to_cpu: bool = False
-
-
-@dataclass
-class StateDictSettings:
-    """What ``state_dict_type`` set on a model's units (``FSDP.get_state_dict_type``)."""
-
-    state_dict_type: StateDictType
-    state_dict_config: StateDictConfig
-    optim_state_dict_config: OptimStateDictConfig
-
-
-_DEFAULT_OPTIM_CONFIG = {StateDictType.FULL_STATE_DICT: FullOptimStateDictConfig,
-                         StateDictType.LOCAL_STATE_DICT: LocalOptimStateDictConfig,
-                         StateDictType.SHARDED_STATE_DICT: ShardedOptimStateDictConfig}
 
 
 def _kinds(s: StateDictSettings) -> tuple:
@@ -112,7 +66,7 @@ def state_dict_settings(module: nn.Module, strict: bool = True) -> StateDictSett
     and config classes must agree, and the first unit's settings are returned."""
     found = None
     for u in units_of(module):
-        optim_cfg = u.__dict__.get("_optim_state_dict_config") or _DEFAULT_OPTIM_CONFIG[u._state_dict_type]()
+        optim_cfg = u.__dict__.get("_optim_state_dict_config") or DEFAULT_OPTIM_CONFIG[u._state_dict_type]()
         settings = StateDictSettings(u._state_dict_type, u._state_dict_config, optim_cfg)
         if found is None:
             found = settings

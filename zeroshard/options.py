@@ -1,5 +1,6 @@
 """The knobs of FSDP: sharding strategies (which ZeRO stage), backward prefetch
-modes, and the configuration records other issues build on.
+modes, and the configuration records other issues build on (mixed precision,
+CPU offload, the model's and the optimizer's state dict configs).
 
 Names and values follow ``torch.distributed.fsdp`` so that a script written for
 torch FSDP1 reads the same with ``import zeroshard as fsdp``.
@@ -110,3 +111,50 @@ class ShardedStateDictConfig(StateDictConfig):
     """``_use_dtensor``: torch's keyword, accepted; zeroshard's shards are always DTensors."""
 
     _use_dtensor: bool = False
+
+
+@dataclass
+class OptimStateDictConfig:
+    """``offload_to_cpu``: accepted for torch's signature; FULL states are always returned on CPU."""
+
+    offload_to_cpu: bool = True
+
+
+@dataclass
+class FullOptimStateDictConfig(OptimStateDictConfig):
+    """``rank0_only``: only rank 0 gets the full dict (others ``{}``); loading
+    then takes the dict from rank 0 only."""
+
+    rank0_only: bool = False
+
+
+@dataclass
+class ShardedOptimStateDictConfig(OptimStateDictConfig):
+    """States as DTensors of this rank's rows (see ``sharded_state``); ``_use_dtensor``:
+    torch's keyword, accepted (they are DTensors whatever it says)."""
+
+    _use_dtensor: bool = False
+
+
+@dataclass
+class LocalOptimStateDictConfig(OptimStateDictConfig):
+    """The optimizer config paired with LOCAL_STATE_DICT (torch's name; no options used)."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass
+class StateDictSettings:
+    """What ``state_dict_type`` set on a model's units (``FSDP.get_state_dict_type``)."""
+
+    state_dict_type: StateDictType
+    state_dict_config: StateDictConfig
+    optim_state_dict_config: OptimStateDictConfig
+
+
+DEFAULT_CONFIG = {StateDictType.FULL_STATE_DICT: FullStateDictConfig,
+                  StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig,
+                  StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig}
+DEFAULT_OPTIM_CONFIG = {StateDictType.FULL_STATE_DICT: FullOptimStateDictConfig,
+                         StateDictType.LOCAL_STATE_DICT: LocalOptimStateDictConfig,
+                         StateDictType.SHARDED_STATE_DICT: ShardedOptimStateDictConfig}

@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from . import comm, ext
 from .mixed_precision import orig_buffer_dtypes
-from .options import FullStateDictConfig, LocalStateDictConfig, ShardedStateDictConfig, StateDictType, as_member
+from .options import DEFAULT_CONFIG, StateDictType, as_member
 from .sharded_state import check_row_shard, device_mesh, from_row_shard, is_sharded, row_keys_differ, to_row_shard
 from .summon import summon_full_params, units_of
 
@@ -266,7 +266,7 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
 def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     kind, config = root._state_dict_type, root._state_dict_config
     if kind == StateDictType.FULL_STATE_DICT:
-        rank0_only = isinstance(config, FullStateDictConfig) and config.rank0_only
+        rank0_only = bool(getattr(config, "rank0_only", False))  # torch's config classes too
         return _full_state_dict(root, prefix, keep_vars, rank0_only, getattr(config, "offload_to_cpu", False))[0]
     if kind == StateDictType.SHARDED_STATE_DICT:
         if any(not u._handle.sharded for u in units_of(root) if u._handle is not None):
@@ -390,10 +390,8 @@ def set_state_dict_type(module, kind: StateDictType, config=None, optim_config=N
     ``optim_config`` None means the default for ``kind`` (resolved by
     ``optim_state``: full on every rank, or sharded under SHARDED_STATE_DICT)."""
     kind = as_member(kind, StateDictType, "state_dict_type")
-    default = {StateDictType.FULL_STATE_DICT: FullStateDictConfig, StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig,
-               StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig}
-    if config is None and kind in default:
-        config = default[kind]()
+    if config is None and kind in DEFAULT_CONFIG:
+        config = DEFAULT_CONFIG[kind]()
     prefix = {StateDictType.FULL_STATE_DICT: "Full", StateDictType.LOCAL_STATE_DICT: "Local",
               StateDictType.SHARDED_STATE_DICT: "Sharded"}.get(kind)
     for cfg, suffix in ((config, "StateDictConfig"), (optim_config, "OptimStateDictConfig")):
