@@ -228,6 +228,51 @@ def test_training_resumes_after_an_exception_caught_in_backward():
     assert all(spawn(_train_on_after_caught_backward_fault, 2, timeout=SPAWN_TIMEOUT, pg_timeout=20))
 
 
+def _accumulate_across_caught_fault(rank, world_size, strategy, use_orig_params, sync):
+    """Micro-batch 1 completes, micro-batch 2's backward raises half-way (after
+    blocks.2 reduced, before blocks.0), micro-batch 3 completes, all without
+    zero_grad. Every unit then holds micro-batch 3's gradient alone, as a
+    fresh model's backward of it gives (before, the units that reduced during
+    the failure had lost micro-batch 1, or under NO_SHARD kept micro-batch 2's
+    part, and the rest kept micro-batch 1)."""
+    import warnings
+    import contextlib
+
+    def build():
+        torch.manual_seed(0)
+        return zs.FSDP(MLP(n_blocks=3), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
+                       sharding_strategy=zs.ShardingStrategy[strategy], use_orig_params=use_orig_params)
+
+    model, clean = build(), build()
+    ctx = contextlib.nullcontext if sync else model.no_sync
+    with ctx():
+        model(batch("mlp", rank, 1)).pow(2).mean().backward()
+    _arm_backward_fault(model, once=True)
+    try:
+        with ctx():
+            model(batch("mlp", rank, 2)).pow(2).mean().backward()
+    except InjectedFault:
+        pass
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(batch("mlp", rank, 3)).pow(2).mean().backward()
+    clean(batch("mlp", rank, 3)).pow(2).mean().backward()
+    said = any("also those accumulated before it" in str(w.message) for w in caught)
+    grads = [(p.grad is None) == (q.grad is None) if p.grad is None or q.grad is None else torch.equal(p.grad, q.grad)
+             for p, q in zip(model.parameters(), clean.parameters())]
+    return said, grads, sum(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("strategy, use_orig_params, sync", [
+    ("FULL_SHARD", False, True), ("FULL_SHARD", True, True), ("NO_SHARD", False, True),
+    ("SHARD_GRAD_OP", True, True), ("FULL_SHARD", True, False)])
+def test_a_caught_backward_fault_drops_every_units_gradients_alike(strategy, use_orig_params, sync):
+    for said, grads, with_grad in spawn(_accumulate_across_caught_fault, 2, strategy, use_orig_params, sync,
+                                        timeout=SPAWN_TIMEOUT, pg_timeout=20):
+        assert said
+        assert with_grad > 0 and all(grads), grads
+
+
 # ------------------------------------------- 4b. a collective call on one rank only
 def _state_call_on_rank0_only(rank, world_size, flag_path, call):
     """Rank 0 alone makes a collective state-dict or checkpoint call (the

@@ -24,11 +24,18 @@ from .handle import HandleState
 def recover_from_interrupted_backward(rt):
     """An exception inside backward (caught by the user, e.g. an OOM on one
     batch) skips the end-of-backward callback. Complete the reductions already
-    issued (the other ranks issued them too), discard the partial gradients
-    they carry, and return every unit to its sharded, idle state so the next
-    step trains normally instead of silently computing no gradients."""
-    warnings.warn("zeroshard: the previous backward did not complete (an exception inside it?); its partial "
-                  "gradients were discarded and all units were resharded.", stacklevel=3)
+    issued (the other ranks issued them too) and return every unit to its
+    sharded, idle state so the next step trains normally instead of silently
+    computing no gradients.
+
+    The gradients are dropped, every unit's, including what earlier backwards
+    accumulated since the last ``zero_grad``: by then the units that finished
+    their part of the failed backward had added it in (a reduced shard, or
+    autograd's own accumulation under ``no_sync``) and the others had not, so
+    no unit-by-unit rule could keep exactly the completed micro-batches."""
+    warnings.warn("zeroshard: the previous backward did not complete (an exception inside it?); every unit's "
+                  "gradients, also those accumulated before it since the last zero_grad, were dropped and all "
+                  "units were resharded. Fix: start the accumulation window again (zero_grad()).", stacklevel=3)
     reduce.finish_reductions(rt.pending)
     if rt.bucketer is not None:
         rt.bucketer.discard()  # never launched: nothing to match on the other ranks
@@ -37,6 +44,10 @@ def recover_from_interrupted_backward(rt):
         if h is None:
             continue
         h.saved_grad_shard = None
+        h.flat_param.grad = None
+        h.grad_reduced = False
+        if h.use_orig_params:
+            h.use_sharded_grad_views()  # the original parameters' grads: None
         if not h.always_full:  # NO_SHARD's low-precision copy too
             h.reshard(free=True)
         h.end_iteration()
