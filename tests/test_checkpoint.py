@@ -536,3 +536,49 @@ def test_full_load_bad_on_one_rank_loads_nowhere(ranks):
     assert same0 and same1
     assert msg0 is not None and "rank 1 cannot load" in msg0 and "'blocks.1.l1.weight'" in msg0, msg0
     assert msg1 is not None and "(3, 3)" in msg1, msg1
+
+
+def test_save_removes_only_its_own_dead_temporaries(tmp_path):
+    """A save's cleanup matches its own names only: a save_sharded temporary
+    directory '.model.dcp.<hex>.tmp' made save('model') raise IsADirectoryError,
+    and a user's '.model.notes.tmp' was deleted. A dead writer's is removed."""
+    import subprocess
+    import sys
+
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead_pid = int(dead.stdout)
+    (tmp_path / ".model.dcp.0123456789ab.tmp").mkdir()
+    (tmp_path / ".model.notes.tmp").write_text("mine")
+    stale = tmp_path / f".model.{socket.gethostname()}.{dead_pid}.0123456789ab.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    checkpoint.save({"w": torch.ones(2)}, tmp_path / "model")
+    assert torch.equal(checkpoint.load(tmp_path / "model")["w"], torch.ones(2))
+    assert (tmp_path / ".model.dcp.0123456789ab.tmp").is_dir()
+    assert (tmp_path / ".model.notes.tmp").read_text() == "mine"
+    assert not stale.exists()
+
+
+def test_consolidate_cli_errors_are_one_line_and_checked_first(tmp_path, capsys):
+    """Bad paths: one line naming the path and the fix, exit status 1, no
+    traceback; the output path is checked before the checkpoint is read (an
+    output under a file gave torch's 'Parent directory ... does not exist')."""
+    from zeroshard import consolidate
+
+    ckpt = str(tmp_path / "ckpt")
+    checkpoint.save_sharded({"model": {"w": torch.ones(3)}, "optim": {"state": {"w": {"exp_avg": torch.ones(3)}}}}, ckpt)
+    (tmp_path / "afile").write_text("")
+    cases = {"not a checkpoint": ([str(tmp_path), str(tmp_path / "o.pt")], "not a torch.distributed.checkpoint directory"),
+             "under a file": ([ckpt, str(tmp_path / "afile" / "o.pt")], "which is not a directory"),
+             "a directory": ([ckpt, str(tmp_path)], "is a directory"),
+             "no such key": ([ckpt, str(tmp_path / "o.pt"), "--key", "nope"], "has no top-level 'nope'")}
+    for name, (argv, said) in cases.items():
+        with pytest.raises(SystemExit) as info:
+            consolidate.main(argv)
+        err = capsys.readouterr().err
+        assert info.value.code == 1 and said in err and "Fix" in err and err.count("\n") == 1, (name, err)
+    assert consolidate.main([ckpt, str(tmp_path / "new" / "o.pt")]) == 0  # a missing parent is made
+    assert "wrote" in capsys.readouterr().err
+    assert consolidate.main([ckpt, str(tmp_path / "optim.pt"), "--key", "optim"]) == 0
+    assert "1 entries, 3 elements" in capsys.readouterr().err  # the states two levels down are counted

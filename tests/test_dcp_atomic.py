@@ -285,6 +285,52 @@ def test_load_sharded_of_a_path_without_a_checkpoint(tmp_path):
         checkpoint.load_sharded({"w": torch.zeros(2)}, str(tmp_path / "ckpt"))
 
 
+def _bn_buffers_differ(rank, world_size, path):
+    """Each rank's own batch moves its own BatchNorm statistics (FSDP does not
+    synchronize buffers): saved as rank 0's, with a warning, and the caller's
+    state dict is left as it was; per-rank optimizer rows are still refused."""
+    import warnings
+
+    from models import BNBlock, batch
+
+    def make():
+        torch.manual_seed(0)
+        model = zs.FSDP(build("bn"), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({BNBlock}))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = make()
+    model(batch("bn", rank, 0)).sum().backward()
+    opt.step()
+    state = _state_of(model, opt)
+    key = "blocks.0.norm.running_mean"
+    mine = state["model"][key]
+    every = [torch.empty_like(mine) for _ in range(world_size)]
+    torch.distributed.all_gather(every, mine)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpoint.save_sharded(state, path)
+    warned = [str(w.message) for w in caught if "differ between ranks" in str(w.message)]
+    untouched = state["model"][key] is mine and torch.equal(mine, every[rank])
+    fresh, fresh_opt = make()
+    loaded = _state_of(fresh, fresh_opt)["model"]
+    checkpoint.load_sharded({"model": loaded}, path)
+    try:
+        checkpoint.save_sharded({"optim": opt.state_dict()}, path + "_raw_optim")
+        refused = None
+    except ValueError as e:
+        refused = str(e)
+    return (not torch.equal(every[0], every[1]), warned, untouched, torch.equal(loaded[key], every[0]), refused)
+
+
+def test_save_sharded_keeps_rank0s_unsynchronized_buffers_and_refuses_per_rank_rows(ranks, tmp_path):
+    for differ, warned, untouched, loaded_rank0s, refused in ranks.run(2, _bn_buffers_differ, str(tmp_path / "ckpt")):
+        assert differ  # else this test shows nothing
+        assert len(warned) == 1 and "'model.blocks.0.norm.running_mean', ..." in warned[0], warned
+        assert "rank 0's values are saved" in warned[0], warned
+        assert untouched and loaded_rank0s
+        assert refused is not None and "'optim.state.0.exp_avg' is a plain tensor that differs" in refused, refused
+
+
 def _save_plain(rank, world_size, path):
     model, opt = _mlp()
     model(torch.randn(4, 5)).sum().backward()
@@ -334,3 +380,40 @@ def test_load_sharded_of_damaged_files_names_the_checkpoint_on_every_rank(ranks,
         assert "missing, truncated or corrupt" in m[case] and "Fix: load another checkpoint" in m[case], m[case]
     assert "__1_0.distcp" in m["missing data"], m["missing data"]
     assert m["truncated metadata"].startswith(f"ValueError: zeroshard: load_sharded: the checkpoint's .metadata in '{paths['truncated metadata']}' cannot be read"), m
+
+
+def test_a_failed_sharded_save_leaves_no_temporary_directory(tmp_path, monkeypatch):
+    """A write that fails (a full disk) keeps the previous checkpoint and
+    removes the half-written temporary directory; it stayed, filling the disk
+    further with every save to a new path (step_1, step_2, ...)."""
+    import torch.distributed.checkpoint.filesystem as fs
+
+    path = str(tmp_path / "ckpt")
+    checkpoint.save_sharded({"w": torch.ones(4)}, path)
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(fs, "_write_item", full_disk)
+    with pytest.raises(BaseException, match="No space left on device"):
+        checkpoint.save_sharded({"w": torch.zeros(4)}, path)
+    monkeypatch.undo()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    state = {"w": torch.empty(4)}
+    checkpoint.load_sharded(state, path)
+    assert torch.equal(state["w"], torch.ones(4))
+
+
+def test_load_sharded_hints_init_optim_state_only_for_an_optimizer_without_state(tmp_path):
+    """The hint to call init_optim_state fits an optimizer with no state at all,
+    not one missing a single parameter's (another model, tied weights)."""
+    path = str(tmp_path / "ckpt")
+    groups = [{"lr": 0.1}]
+    saved = {"optim": {"state": {"a": {"exp_avg": torch.ones(2)}, "b": {"exp_avg": torch.ones(2)}}, "param_groups": groups}}
+    checkpoint.save_sharded(saved, path)
+    with pytest.raises(ValueError) as partial:
+        checkpoint.load_sharded({"optim": {"state": {"a": {"exp_avg": torch.empty(2)}}, "param_groups": groups}}, path)
+    assert "has 'optim.state.b.exp_avg'" in str(partial.value) and "init_optim_state" not in str(partial.value)
+    with pytest.raises(ValueError) as fresh:
+        checkpoint.load_sharded({"optim": {"state": {}, "param_groups": groups}}, path)
+    assert "init_optim_state" in str(fresh.value), str(fresh.value)

@@ -55,15 +55,19 @@ def _writer_tag() -> str:
 
 
 def _is_stale(tmp_name: str, prefix: str) -> bool:
-    """A temporary file is stale when its writer on this host is gone. A live
-    writer's (another rank, process or thread saving to the same path right
-    now) and another host's are left alone: removing them would make that
-    save fail after writing everything, leaving whatever this one wrote.
-    (Two containers sharing a hostname but not a PID namespace cannot tell
-    each other's writers apart: give them distinct hostnames.)"""
-    host, _, pid = tmp_name[len(prefix):-len(".tmp")].rpartition(".")[0].rpartition(".")
-    if not pid.isdigit():
-        return True  # untagged: written before writers were tagged
+    """A temporary file is stale when it is one :func:`save` names
+    (``.NAME.HOST.PID.<12 hex>.tmp``: not another file that happens to start
+    with ``.NAME.``, such as a ``.NAME.dcp.<hex>.tmp`` directory of
+    save_sharded's) and its writer on this host is gone. A live writer's
+    (another rank, process or thread saving to the same path right now) and
+    another host's are left alone: removing them would make that save fail
+    after writing everything, leaving whatever this one wrote. (Two
+    containers sharing a hostname but not a PID namespace cannot tell each
+    other's writers apart: give them distinct hostnames.)"""
+    found = re.fullmatch(re.escape(prefix) + r"(.+)\.(\d+)\.[0-9a-f]{12}\.tmp", tmp_name)
+    if found is None:
+        return False
+    host, pid = found.group(1), found.group(2)
     if host != socket.gethostname() or int(pid) == os.getpid():
         return False
     try:
@@ -105,7 +109,7 @@ def save(obj, path: str | os.PathLike) -> None:
     _refuse_empty_on_other_ranks(obj, path)
     directory, prefix = os.path.dirname(path), _tmp_prefix(path)
     for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*.tmp")):
-        if _is_stale(os.path.basename(stale), prefix):  # left by a killed save
+        if os.path.isfile(stale) and _is_stale(os.path.basename(stale), prefix):  # left by a killed save
             try:
                 os.remove(stale)
             except FileNotFoundError:
@@ -255,18 +259,25 @@ def save_sharded(state: dict, path: str | os.PathLike) -> None:
 
     ``path`` holds the previous complete checkpoint until the new one is
     complete on every rank, then the new one. Plain tensors (not DTensor /
-    ShardedTensor) must be equal on every rank: DCP keeps one copy of each.
+    ShardedTensor) are saved once: per-rank ones are refused, other
+    differing ones (unsynchronized buffers) saved as rank 0's, see
+    ``_plain_tensors_agreed``.
     """
     import torch.distributed.checkpoint as dcp
 
     path = os.path.abspath(os.fspath(path))
-    _check_plain_tensors_agree(state)
+    state = _plain_tensors_agreed(state)
     tmp = on_rank0(lambda: _prepare(path), "save_sharded (preparing the directory)")
-    dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
-    if _distributed():
-        # dcp.save already ends with rank 0 writing .metadata after every
-        # rank reported its files; the barrier makes "all ranks finished" explicit.
-        comm.barrier(what="save_sharded (every rank's files written)")
+    try:
+        dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+        if _distributed():
+            # dcp.save already ends with rank 0 writing .metadata after every
+            # rank reported its files; the barrier makes "all ranks finished" explicit.
+            comm.barrier(what="save_sharded (every rank's files written)")
+    except BaseException:  # DCP's CheckpointException too: every rank raises it
+        if not _distributed() or dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # a full disk stays full otherwise, until a save to this path
+        raise
     world = dist.get_world_size() if _distributed() else 1
     on_rank0(lambda: _commit(tmp, path, world), "save_sharded (renaming the checkpoint into place)")
 
@@ -277,32 +288,65 @@ def _flatten(state: dict):
     return flatten_state_dict(state)
 
 
-def _check_plain_tensors_agree(state: dict) -> None:
-    """DCP saves a plain tensor once, as if every rank held the same one; a
-    per-rank tensor (a LOCAL flat shard, an RNG state) would silently lose all
-    but one rank's copy. Compare digests across ranks and name the first."""
+_PER_RANK = re.compile(r"(^|\.)_flat_param$|(^|\.)state\.\d+\.")  # a LOCAL flat shard; optim.state_dict()'s id-keyed rows
+
+
+def _plain_tensors_agreed(state: dict) -> dict:
+    """DCP saves a plain tensor (not DTensor / ShardedTensor) once, as if
+    every rank held the same one, taking whichever rank's copy balances the
+    files. Digests are compared across ranks: a per-rank tensor (a LOCAL flat
+    shard, ``optim.state_dict()``'s rows of this rank's shard) would lose all
+    but one rank's copy, so it is refused, naming it; any other tensor that
+    differs (buffers, which FSDP does not synchronize: BatchNorm's running
+    statistics) is saved as rank 0's, with a warning, as torch FSDP1's FULL
+    state dict takes rank 0's buffers. Returns ``state`` with those replaced
+    by rank 0's copy (containers along their paths copied, ``state`` itself
+    untouched)."""
     import hashlib
+    import warnings
 
     from .sharded_state import is_sharded
 
     if not _distributed() or dist.get_world_size() == 1:
-        return
-    flat, _ = _flatten(state)
+        return state
+    flat, mapping = _flatten(state)
     mine = {}
     for k, v in flat.items():
         if torch.is_tensor(v) and not is_sharded(v):
             data = v.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
             mine[k] = (tuple(v.shape), str(v.dtype), hashlib.blake2b(data.tobytes(), digest_size=16).hexdigest())
     everyone = comm.gather_objects(mine, what="save_sharded (comparing plain tensors across ranks)")
+    differing = []
     for k in sorted(set().union(*everyone)):
         seen = [(r, d[k]) for r, d in enumerate(everyone) if k in d]  # a key only one rank has is kept as it is
-        if any(v != seen[0][1] for _, v in seen):
-            ranks = [r for r, v in seen if v != seen[0][1]]
+        if all(v == seen[0][1] for _, v in seen):
+            continue
+        ranks = [r for r, v in seen if v != seen[0][1]]
+        if _PER_RANK.search(k) or len(seen) != len(everyone) or any(v[:2] != seen[0][1][:2] for _, v in seen):
             raise ValueError(f"zeroshard: save_sharded: '{k}' is a plain tensor that differs between ranks (rank "
-                             f"{seen[0][0]} vs rank(s) {ranks}); torch.distributed.checkpoint keeps one copy of a plain tensor, so the "
-                             "others would be lost (a LOCAL_STATE_DICT flat shard or optim.state_dict() is per rank). "
-                             "Fix: save SHARDED_STATE_DICT / FSDP.optim_state_dict under SHARDED_STATE_DICT (DTensor "
-                             "rows), or put per-rank values under per-rank keys.")
+                             f"{seen[0][0]} vs rank(s) {ranks}) and is per rank (a LOCAL_STATE_DICT flat shard, "
+                             "optim.state_dict(), or a shape or holder that differs); torch.distributed.checkpoint "
+                             "keeps one copy of a plain tensor, so the others would be lost. Fix: save "
+                             "SHARDED_STATE_DICT / FSDP.optim_state_dict under SHARDED_STATE_DICT (DTensor rows), "
+                             "or put per-rank values under per-rank keys.")
+        differing.append(k)
+    if not differing:
+        return state
+    warnings.warn(f"zeroshard: save_sharded: {len(differing)} plain tensor(s) differ between ranks ('{differing[0]}'"
+                  f"{', ...' if len(differing) > 1 else ''}): buffers are not synchronized by FSDP (BatchNorm's running "
+                  "statistics); rank 0's values are saved, as in torch FSDP1's FULL state dict.", stacklevel=3)
+    state = dict(state)
+    for k in differing:
+        value = flat[k].detach().clone()
+        comm.broadcast(value, 0, what=f"save_sharded (rank 0's '{k}')")
+        *parents, leaf = mapping[k]
+        holder = state
+        for part in parents:
+            child = holder[part]
+            holder[part] = child = dict(child) if isinstance(child, dict) else list(child)
+            holder = child
+        holder[leaf] = value
+    return state
 
 
 def _bare(key: str) -> str:
@@ -364,9 +408,11 @@ def _describe_problem(state: dict, path: str, strict: bool) -> str | None:
         tops = {mapping[k][0] for k in flat}
         for key in entries:
             if key not in flat and saved.planner_data.get(key, (key,))[0] in tops:
+                top = saved.planner_data.get(key, (key,))[0]
+                empty = not any(".state." in k for k in flat if mapping[k][0] == top)
                 hint = (" An optimizer that has not stepped yet has no state to load into: call "
                         "zeroshard.optim_state.init_optim_state(optim) before optim_state_dict()."
-                        if ".state." in key else "")
+                        if ".state." in key and empty else "")
                 return (f"zeroshard: load_sharded: the checkpoint '{path}' has '{key}' but the state to load into does "
                         f"not (strict=True).{hint} Fix: load into a state dict with the same keys, or pass strict=False.")
     return None

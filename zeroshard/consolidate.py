@@ -34,6 +34,12 @@ def consolidate(ckpt_dir: str, out_path: str, key: str | None = None) -> dict:
     if not os.path.isfile(os.path.join(ckpt_dir, ".metadata")):
         raise FileNotFoundError(f"zeroshard.consolidate: '{ckpt_dir}' is not a torch.distributed.checkpoint directory "
                                 "(no .metadata file). Fix: pass the path given to dcp.save / checkpoint.save_sharded.")
+    parent = os.path.dirname(os.path.abspath(out_path))
+    if os.path.isdir(out_path) or (os.path.lexists(parent) and not os.path.isdir(parent)):
+        what = "is a directory" if os.path.isdir(out_path) else f"is under '{parent}', which is not a directory"
+        raise NotADirectoryError(f"zeroshard.consolidate: the output '{out_path}' {what}. Fix: pass a file path, "
+                                 "e.g. OUT.pt in an existing directory.")
+    os.makedirs(parent, exist_ok=True)  # checked before reading the whole checkpoint
     tmp = out_path + ".full.tmp"
     # DCP's own offline loader: reads every chunk and places it at its offsets.
     dcp_to_torch_save(ckpt_dir, tmp)
@@ -43,7 +49,8 @@ def consolidate(ckpt_dir: str, out_path: str, key: str | None = None) -> dict:
         os.remove(tmp)
     if key is not None:
         if key not in state:
-            raise KeyError(f"zeroshard.consolidate: the checkpoint has no top-level '{key}' (it has {sorted(state)[:8]}).")
+            raise KeyError(f"zeroshard.consolidate: the checkpoint has no top-level '{key}' (it has {sorted(state)[:8]}). "
+                           "Fix: pass --key with one of those, or no --key for the whole state.")
         state = state[key]
     checkpoint.save(state, out_path)  # atomic: a crash leaves any previous OUT.pt intact
     return state
@@ -55,10 +62,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output file (torch.save format)")
     parser.add_argument("--key", default=None, help="keep only this top-level entry (e.g. model, or optim for the FULL optimizer state dict)")
     args = parser.parse_args(argv)
-    state = consolidate(args.ckpt_dir, args.out, args.key)
-    tensors = [v for v in state.values() if torch.is_tensor(v)]
-    print(f"wrote {args.out}: {len(state)} entries, {sum(t.numel() for t in tensors)} elements", file=sys.stderr)
+    try:
+        state = consolidate(args.ckpt_dir, args.out, args.key)
+    except (OSError, KeyError) as e:  # the message names the path and the fix: no traceback
+        parser.exit(1, f"{e.args[0] if isinstance(e, KeyError) else e}\n")
+    print(f"wrote {args.out}: {len(state)} entries, {_elements(state)} elements", file=sys.stderr)
     return 0
+
+
+def _elements(x) -> int:
+    """Tensor elements in a nested state (an optimizer's states sit two levels down)."""
+    if torch.is_tensor(x):
+        return x.numel()
+    values = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
+    return sum(_elements(v) for v in values)
 
 
 if __name__ == "__main__":
