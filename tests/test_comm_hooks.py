@@ -111,6 +111,61 @@ def test_misuse_is_refused_with_a_fix(ranks):
         assert fragment in text and "zeroshard" in text, text
 
 
+def _refused_before_backward(rank, world_size):
+    """Each of these failed inside backward (a TypeError, torch's 'unknown
+    parameter type') or was silently ignored; now refused up front, naming
+    the unit and the fix. Returns {case: message}."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks as torch_hooks
+
+    def model(**kw):
+        return zs.FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(40, 40)),
+                       auto_wrap_policy=zs.wrap.ModuleWrapPolicy({nn.Linear}), **kw)
+
+    hooks = zs.comm_hooks
+    cases = {
+        "persistent unit, sharded hook": lambda: model(param_persistence_threshold=100).register_comm_hook(
+            hooks.DefaultState(torch.distributed.group.WORLD), hooks.reduce_scatter_hook),
+        "NO_SHARD, sharded hook": lambda: model(sharding_strategy=zs.ShardingStrategy.NO_SHARD).register_comm_hook(
+            hooks.DefaultState(torch.distributed.group.WORLD), hooks.reduce_scatter_hook),
+        "sharded, NO_SHARD hook": lambda: model().register_comm_hook(hooks.DefaultState(torch.distributed.group.WORLD), hooks.allreduce_hook),
+        "torch's bf16 hook on CPU": lambda: model().register_comm_hook(
+            torch_hooks.LowPrecisionState(torch.distributed.group.WORLD), torch_hooks.bf16_compress_hook),
+    }
+    said = {}
+    for name, make in cases.items():
+        try:
+            make()
+        except ValueError as e:
+            said[name] = str(e)
+    mixed = nn.Sequential(zs.FSDP(nn.Linear(4, 4), bucket_cap_mb=25), nn.Linear(4, 4))
+    try:
+        zs.FSDP(mixed)(torch.randn(2, 4))
+    except ValueError as e:
+        said["bucket_cap_mb on one unit"] = str(e)
+    inner = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    outer = zs.FSDP(inner, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({nn.Linear}))
+    outer.module[0].register_comm_hook(hooks.DefaultState(torch.distributed.group.WORLD), hooks.reduce_scatter_hook)
+    try:
+        outer(torch.randn(2, 4))
+    except RuntimeError as e:
+        said["hook made an inner unit the root"] = str(e)
+    return said
+
+
+def test_hooks_and_buckets_that_cannot_work_are_refused_before_backward(ranks):
+    said = ranks.run(2, _refused_before_backward)[0]
+    assert len(said) == 6, said
+    assert "unit 0 (Linear) calls hook(state, grad) (param_persistence_threshold keeps it whole)" in said[
+        "persistent unit, sharded hook"]
+    assert "calls hook(state, grad) (it is NO_SHARD), which reduce_scatter_hook(state" in said["NO_SHARD, sharded hook"]
+    assert "calls hook(state, grad, output) (it is sharded), which allreduce_hook(state" in said["sharded, NO_SHARD hook"]
+    assert "record_stream" in said["torch's bf16 hook on CPU"] and "zeroshard.comm_hooks.bf16_compress_hook" in said[
+        "torch's bf16 hook on CPU"]
+    assert "disagree on bucket_cap_mb" in said["bucket_cap_mb on one unit"]
+    assert "register_comm_hook, no_sync or check_is_root" in said["hook made an inner unit the root"]
+    assert all("Fix" in m for m in said.values()), said
+
+
 def _hybrid_refused(rank, world_size):
     model = zs.FSDP(nn.Linear(4, 4), fsdp_group_size=2)
     try:

@@ -25,15 +25,19 @@ their collectives are counted by ``comm_stats`` and named in errors:
 ``allreduce_hook`` / ``reduce_scatter_hook`` (what zeroshard does by default)
 and ``fp16_compress_hook`` / ``bf16_compress_hook`` (communicate in half
 precision, then cast back to ``state.parameter_type``). torch's own hooks
-(``torch.distributed.algorithms._comm_hooks.default_hooks``) work too.
+(``torch.distributed.algorithms._comm_hooks.default_hooks``) work too, its
+compression hooks on CUDA only (they call ``record_stream``). A hook that
+cannot take its units' call is refused at registration.
 """
 from __future__ import annotations
+
+import inspect
 
 import torch
 import torch.distributed as dist
 
 from . import comm
-from .reduce import divide_factors
+from .reduce import _TORCH_LOW_PRECISION_HOOKS, divide_factors
 
 
 class DefaultState:
@@ -138,7 +142,35 @@ def register(root, units, state, hook) -> None:
                 f"zeroshard: a communication hook ({u._comm_hook!r}) is already registered; it can be registered once. "
                 "Fix: register a single hook before the first forward."
             )
+        if u._handle is not None:
+            _check_call(hook, state, u._handle)
     for u in units:
         u._comm_hook, u._comm_hook_state = hook, state
         if u._handle is not None:
             u._handle.comm_hook = (hook, state)
+
+
+def _check_call(hook, state, handle) -> None:
+    """The hook must take the call its unit makes (see the module docstring),
+    and torch's compression hooks need CUDA: refused here, naming the unit,
+    rather than a TypeError or torch's 'unknown parameter type' in backward."""
+    unit = handle.unit_name
+    if hook in _TORCH_LOW_PRECISION_HOOKS and handle.device.type == "cpu":
+        raise ValueError(f"zeroshard: register_comm_hook: torch's {hook.__name__} calls record_stream, which only "
+                         f"CUDA tensors have, and unit {unit} computes on the CPU (torch FSDP1 fails there too). "
+                         f"Fix: use zeroshard.comm_hooks.{hook.__name__} (the same casts and collectives).")
+    try:
+        signature = inspect.signature(hook)
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to check
+        return
+    args = (state, None, None) if handle.sharded else (state, None)
+    try:
+        signature.bind(*args)
+    except TypeError:
+        call, why = (("hook(state, grad, output)", "it is sharded") if handle.sharded else
+                     ("hook(state, grad)", "param_persistence_threshold keeps it whole" if handle.persistent
+                      else "it is NO_SHARD"))
+        raise ValueError(f"zeroshard: register_comm_hook: unit {unit} calls {call} ({why}), which "
+                         f"{getattr(hook, '__name__', repr(hook))}{signature} does not take. Fix: a hook that "
+                         "takes both calls (output=None by default, as zeroshard.comm_hooks.bf16_compress_hook), "
+                         "or one strategy for the whole model.") from None

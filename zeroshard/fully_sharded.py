@@ -195,9 +195,9 @@ class FullyShardedDataParallel(nn.Module):
         for s in states[1:]:
             if s._is_root:
                 raise RuntimeError(
-                    "zeroshard: an inner FSDP unit already ran forward as a root; run forward through the "
-                    "outermost FullyShardedDataParallel only."
-                )
+                    f"zeroshard: the inner unit wrapping {type(s.module).__name__} already became a root: its forward, "
+                    "register_comm_hook, no_sync or check_is_root was called on it directly, before the outer "
+                    "model's first forward. Fix: make those calls on the outermost FullyShardedDataParallel.")
         validation.check_homogeneous(states)
         for s in states[1:]:
             s._is_root = False

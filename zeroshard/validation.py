@@ -279,9 +279,11 @@ def check_extensions(bucket_cap_mb, param_persistence_threshold, quantized_all_g
 def check_homogeneous(states):
     """Units under one root share one runtime, so (as torch FSDP1 requires at
     the first forward) they must agree on ``use_orig_params``,
-    ``limit_all_gathers`` and ``FSDP_USE_FULL_PREC_IN_EVAL`` (read at wrap time)."""
+    ``limit_all_gathers`` and ``FSDP_USE_FULL_PREC_IN_EVAL`` (read at wrap
+    time); and on ``bucket_cap_mb``, whose buckets span units."""
     for attr, name in (("use_orig_params", "use_orig_params"), ("limit_all_gathers", "limit_all_gathers"),
-                       ("_use_full_prec_in_eval", "the FSDP_USE_FULL_PREC_IN_EVAL environment variable")):
+                       ("_use_full_prec_in_eval", "the FSDP_USE_FULL_PREC_IN_EVAL environment variable"),
+                       ("bucket_cap_mb", "bucket_cap_mb")):
         values = {getattr(s, attr) for s in states}
         if len(values) > 1:
             odd = [type(s.module).__name__ for s in states if getattr(s, attr) != getattr(states[0], attr)]
