@@ -284,3 +284,61 @@ def test_wrapped_module_prints_before_first_forward(ranks, use_orig_params):
     (torch FSDP1 allows both; the original attributes must exist)."""
     for before, after, names in ranks.run(2, _module_reprs, use_orig_params):
         assert before == after and "bias=True" in before and "Linear" in names
+
+
+class _EmbNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin, self.head = nn.Embedding(10, 6), nn.Linear(6, 6), nn.Linear(6, 10, bias=False)
+
+    def forward(self, i):
+        return self.head(self.lin(self.emb(i)))
+
+
+def _init_whole_subtree(module):
+    module.to_empty(device=torch.device("cpu"))
+    for m in module.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+
+
+def _ignored_module_edges(rank, world_size):
+    """(1) A meta model whose param_init_fn also materializes an ignored module
+    (torch FSDP1 takes it) was refused as 're-created the parameters of a unit
+    wrapped already', with no unit wrapped. (2) sync_module_states broadcast an
+    ignored module's weight when another module used it (a tied head), though
+    not when it was ignored through ignored_states. (3) device_id=meta."""
+    outputs = []
+    for engine in ("torch", "zeroshard"):
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = _EmbNet()
+        wrap = tfsdp.FullyShardedDataParallel if engine == "torch" else zs.FSDP
+        extra = {"device_id": torch.device("cpu")} if engine == "torch" else {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = wrap(model, ignored_modules=[model.emb], param_init_fn=_init_whole_subtree, **extra)
+        outputs.append(model(torch.arange(4)))
+    tied = []
+    for how in ("ignored_modules", "ignored_states"):
+        net = _EmbNet()
+        torch.manual_seed(rank)
+        net.emb.reset_parameters()
+        net.head.weight = net.emb.weight
+        mine = net.emb.weight.detach().clone()
+        kw = {"ignored_modules": [net.emb]} if how == "ignored_modules" else {"ignored_states": [net.emb.weight]}
+        net = zs.FSDP(net, sync_module_states=True, **kw)
+        tied.append(torch.equal(net.module.emb.weight, mine))
+    try:
+        zs.FSDP(nn.Linear(2, 2), device_id=torch.device("meta"))
+        meta = None
+    except ValueError as e:
+        meta = str(e)
+    return torch.equal(outputs[0], outputs[1]), tied, meta
+
+
+def test_ignored_modules_at_init_as_torch(ranks):
+    for same, tied, meta in ranks.run(2, _ignored_module_edges):
+        assert same
+        assert tied == [True, True], tied
+        assert meta is not None and "device_id=meta" in meta and "Fix" in meta, meta

@@ -140,9 +140,10 @@ class FullyShardedDataParallel(nn.Module):
         def outside_unit(m):
             return _is_unit(m) or m in ignored
 
-        materialize.materialize(module, outside_unit, self.compute_device, param_init_fn)
-        if sync_module_states:
-            materialize.sync_module_states(module, outside_unit, [shard_group, replicate_group], ignored_params)
+        materialize.materialize(module, outside_unit, _is_unit, self.compute_device, param_init_fn)
+        if sync_module_states:  # not ignored modules' parameters either (a weight tied into one included)
+            materialize.sync_module_states(module, outside_unit, [shard_group, replicate_group],
+                                           kept_out(ignored, ignored_params))
         nested = {m for m in module.modules() if _is_unit(m)}
         # As torch FSDP1: what a nested unit ignores, this one ignores too (a weight it shares stays out of both).
         ignored |= {m for u in nested for m in u._ignored_modules}

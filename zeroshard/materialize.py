@@ -45,21 +45,22 @@ def _has_meta_state(module: nn.Module) -> bool:
     return any(t.is_meta for t in _own_states(module))
 
 
-def _wrapped_storages(root: nn.Module, skip) -> list[int]:
-    """Where the parameters of the units already wrapped under ``root`` live."""
-    return [t.untyped_storage().data_ptr() for m in root.modules() if m is not root and skip(m)
+def _wrapped_storages(root: nn.Module, is_unit) -> list[int]:
+    """Where the parameters of the units already wrapped under ``root`` live
+    (not ignored modules': those are the user's to initialize, as in torch)."""
+    return [t.untyped_storage().data_ptr() for m in root.modules() if m is not root and is_unit(m)
             for t in m.parameters()]
 
 
 @torch.no_grad()
-def materialize(root: nn.Module, skip, device: torch.device, param_init_fn=None) -> None:
+def materialize(root: nn.Module, skip, is_unit, device: torch.device, param_init_fn=None) -> None:
     modules = unit_modules(root, skip)
     if not any(_has_meta_state(m) for m in modules):
         return
     if param_init_fn is not None:
         if not callable(param_init_fn):
             raise ValueError(f"zeroshard: param_init_fn must be callable, got {type(param_init_fn).__name__}.")
-        wrapped = _wrapped_storages(root, skip)
+        wrapped = _wrapped_storages(root, is_unit)
         for m in modules:
             param_init_fn(m)
         left = next((f"{type(m).__name__}.{n}" for m in modules for n, t in (*m.named_parameters(recurse=False),
@@ -68,7 +69,7 @@ def materialize(root: nn.Module, skip, device: torch.device, param_init_fn=None)
             raise ValueError(f"zeroshard: after param_init_fn, {left} (in {type(root).__name__}) is still on the meta "
                              "device, with no values to shard. Fix: have param_init_fn materialize every module it is "
                              "given, e.g. module.to_empty(device=..., recurse=False) and then its initialization.")
-        if wrapped != _wrapped_storages(root, skip):
+        if wrapped != _wrapped_storages(root, is_unit):
             raise ValueError(
                 f"zeroshard: param_init_fn re-created the parameters of a unit wrapped already, inside "
                 f"{type(root).__name__} (e.g. module.to_empty(device=...) without recurse=False): that unit's values "

@@ -180,6 +180,10 @@ def compute_device(module: nn.Module, device_id, group) -> torch.device:
     devices.discard(torch.device("meta"))  # materialized on the compute device (see materialize)
     if device_id is not None:
         device = torch.device("cuda", device_id) if isinstance(device_id, int) else torch.device(device_id)
+        if device.type == "meta":
+            raise ValueError("zeroshard: device_id=meta: a unit cannot compute on the meta device (it holds no values). "
+                             'Fix: pass the device to materialize on, e.g. device_id=torch.device("cpu") or the GPU\'s '
+                             "index, and param_init_fn= to initialize the meta-built module there.")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(
                 f"zeroshard: device_id={device} but CUDA is not available on this machine. "
