@@ -89,6 +89,8 @@ BAD = [
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, r"parameter offload needs ZeRO stage 3 \(stage is 2\)"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, r"optimizer offload needs ZeRO stage 1, 2 or 3"),
     ({"zero_optimization": {"reduce_bucket_size": "5e8"}}, r"zero_optimization.reduce_bucket_size = '5e8': expected a number"),
+    ({"zero_optimization": {"zero_hpz_partition_size": 0}}, r"zero_optimization.zero_hpz_partition_size = 0: expected an integer >= 1"),
+    ({"zero_optimization": {"zero_quantized_weights": "true"}}, r"zero_optimization.zero_quantized_weights = 'true': expected true or false"),
 ]
 
 

@@ -601,6 +601,22 @@ def test_deepspeed_bucket_and_persistence_keys_reach_the_engine(ranks):
     assert all(torch.equal(a, b) for a, b in zip(ref, b_params)) and all(torch.equal(a, b) for a, b in zip(ref, p_params))
 
 
+def _zero_plus_plus(rank, world_size, zero_extra):
+    engine, *_ = _engine(3, zero_optimization={"stage": 3, **zero_extra})
+    handles = [u._handle for u in zs.FSDP.fsdp_modules(engine.module) if u._handle is not None]
+    _train(engine, rank, 1, 0)
+    return ([h.quant is not None for h in handles if h.sharded], [h.hpz is not None for h in handles if h.sharded])
+
+
+def test_deepspeed_zero_plus_plus_keys_reach_the_engine(ranks):
+    """zero_quantized_weights -> qwZ (quantized_all_gather), zero_hpz_partition_size
+    -> hpZ (hpz_group_size); before, both were ignored as 'may be typos'."""
+    quant, hpz = ranks.run(4, _zero_plus_plus, {"zero_quantized_weights": True, "zero_hpz_partition_size": 2})[0]
+    assert quant and all(quant) and hpz and all(hpz)
+    quant, hpz = ranks.run(4, _zero_plus_plus, {"zero_hpz_partition_size": 1})[0]
+    assert not any(quant) and not any(hpz)
+
+
 # ------------------------------------------------------- parameters without gradient
 class _TwoHeads(torch.nn.Module):
     """A head that only some steps (and some ranks) use: MoE routing, multi-task batches."""

@@ -204,3 +204,35 @@ def test_bytes_and_loss_after_200_steps(ranks):
     assert base_final < 0.2 * base_losses[0] and q_final < 0.2 * q_losses[0]
     assert abs(q_final - base_final) / base_final <= 0.02, (q_final, base_final)
     assert q_losses != base_losses  # the quantization did perturb training
+
+
+def _qwz_misuse(rank, world_size):
+    import warnings
+
+    refused = []
+    for bad in (Int8BlockQuant, "int8"):
+        try:
+            zs.FSDP(torch.nn.Linear(4, 4), quantized_all_gather=bad)
+        except ValueError as e:
+            refused.append(str(e))
+    try:
+        Int8BlockQuant(block_size=64.0)
+    except ValueError as e:
+        refused.append(str(e))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        zs.FSDP(torch.nn.Linear(4, 4), sharding_strategy=zs.ShardingStrategy.NO_SHARD,
+                quantized_all_gather=Int8BlockQuant())(torch.randn(2, 4))
+        zs.FSDP(torch.nn.Linear(4, 4), quantized_all_gather=Int8BlockQuant())(torch.randn(2, 4))
+    return refused, [str(w.message) for w in caught if "quantized_all_gather has no effect" in str(w.message)]
+
+
+def test_qwz_misuse_is_named_at_construction(ranks):
+    """The class instead of an instance and a float block_size failed inside the
+    first forward (TypeErrors); qwZ on a model with no sharded unit did nothing, silently."""
+    refused, warned = ranks.run(2, _qwz_misuse)[0]
+    assert len(refused) == 3, refused
+    assert "(an instance)" in refused[0] and "Int8BlockQuant() (called)" in refused[0]
+    assert "is not a quantizer" in refused[1]
+    assert "block_size=64.0" in refused[2] and "positive int" in refused[2]
+    assert len(warned) == 1 and "NO_SHARD" in warned[0], warned

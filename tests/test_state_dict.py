@@ -178,6 +178,44 @@ def test_local_state_dict_round_trip_and_world_size_check(ranks, tmp_path):
         assert msg and "this rank's shard of unit" in msg and "world size" in msg and "Fix" in msg
 
 
+def _local_plain_shards(rank, world_size):
+    """Per-rank files holding plain tensors of each shard's elements, without
+    (hfai-style) or with the padding, load; before, the unpadded one was refused
+    as '(15,) but ... has 15 elements'. A wrong size names both sizes."""
+    model = zs.FSDP(build("mlp"), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    expected = model(batch("mlp", rank, 0))
+    loaded = []
+    for padded in (False, True):
+        with zs.FSDP.state_dict_type(model, zs.StateDictType.LOCAL_STATE_DICT):
+            sd = model.state_dict()
+            for key in [k for k in sd if k.endswith("_flat_param")]:
+                shard = sd[key].local_shards()[0].tensor if sd[key].local_shards() else torch.zeros(0)
+                n = -(-sd[key].metadata().size[0] // world_size)  # the padded shard (no alignment: use_orig_params=False)
+                sd[key] = torch.cat([shard, shard.new_zeros(n - shard.numel())]) if padded else shard.clone()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.zero_()
+            model.load_state_dict(sd)
+        loaded.append(torch.equal(expected, model(batch("mlp", rank, 0))))
+        assert loaded[-1] or padded, [(k, tuple(v.shape)) for k, v in sd.items()]
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.LOCAL_STATE_DICT):
+        sd = model.state_dict()
+        key = next(k for k in sd if k.endswith("_flat_param"))
+        sd[key] = torch.zeros(1000)
+        try:
+            model.load_state_dict(sd)
+            said = None
+        except ValueError as e:
+            said = str(e)
+    return loaded, said
+
+
+def test_local_state_dict_of_plain_shards(ranks):
+    for loaded, said in ranks.run(3, _local_plain_shards):
+        assert loaded == [True, True]
+        assert said is not None and "is (1000,)" in said and "with its padding" in said, said
+
+
 def _apply_init(rank, world_size, use_orig_params):
     """model.apply(init) writes into the full parameters of every unit and
     the shards keep the result, as torch FSDP1's apply does."""

@@ -28,7 +28,9 @@ Mapped onto zeroshard's own knobs at stages 2/3 (``engine``):
 ``zero_optimization.reduce_bucket_size`` (elements) -> FSDP ``bucket_cap_mb``
 (one reduce-scatter for many small units), ``stage3_param_persistence_threshold``
 -> ``param_persistence_threshold`` (stage 3; zeroshard applies it per unit, where
-DeepSpeed decides per parameter).
+DeepSpeed decides per parameter); ZeRO++ at stage 3: ``zero_quantized_weights``
+-> ``quantized_all_gather=Int8BlockQuant()`` (qwZ, 256-element blocks),
+``zero_hpz_partition_size`` -> ``hpz_group_size`` (hpZ; 1: off).
 
 Accepted, validated, but **not acted on**: ``stage3_prefetch_bucket_size``,
 ``stage3_max_live_parameters`` (zeroshard prefetches one unit ahead and limits live
@@ -61,7 +63,7 @@ TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accu
 FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
              "consecutive_hysteresis", "auto_cast"}
 ZERO_KEYS = {"stage", "offload_param", "offload_optimizer"}
-ZERO_MAPPED = {"reduce_bucket_size", "stage3_param_persistence_threshold"}
+ZERO_MAPPED = {"reduce_bucket_size", "stage3_param_persistence_threshold", "zero_quantized_weights", "zero_hpz_partition_size"}
 ZERO_NOT_ACTED_ON = {"stage3_prefetch_bucket_size", "stage3_max_live_parameters"}
 OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"},
                     "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"}}
@@ -385,7 +387,9 @@ def _zero(sec: dict, unknown: list) -> ZeroConfig:
         raise _bad("zero_optimization.offload_optimizer.device", "cpu", "optimizer offload needs ZeRO stage 1, 2 or 3",
                    'set "stage" to 1, 2 or 3')
     for k in sorted(ZERO_MAPPED & set(sec)):
-        zero.mapped[k] = _number(f"zero_optimization.{k}", sec[k])
+        key = f"zero_optimization.{k}"
+        zero.mapped[k] = (_bool(key, sec[k]) if k == "zero_quantized_weights" else
+                          _int(key, sec[k], minimum=1) if k == "zero_hpz_partition_size" else _number(key, sec[k]))
     for k in sorted(ZERO_NOT_ACTED_ON & set(sec)):
         zero.not_acted_on[k] = _number(f"zero_optimization.{k}", sec[k])
     _sort_out("zero_optimization", [k for k in sec if k not in ZERO_KEYS | ZERO_MAPPED | ZERO_NOT_ACTED_ON], DS_ZERO_KEYS,

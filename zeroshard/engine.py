@@ -63,6 +63,7 @@ from .lr_schedules import build_scheduler
 from .fully_sharded import FullyShardedDataParallel
 from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
 from .options import CPUOffload, MixedPrecision, ShardingStrategy
+from .quantize import Int8BlockQuant
 from .zero1 import ZeroOneOptimizer
 
 _STRATEGIES = {3: (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
@@ -196,6 +197,10 @@ class Engine(ConfigGetters, nn.Module):
             kw.setdefault("bucket_cap_mb", mapped["reduce_bucket_size"] * elem / 2**20)
         if self.stage == 3 and "stage3_param_persistence_threshold" in mapped:
             kw.setdefault("param_persistence_threshold", int(mapped["stage3_param_persistence_threshold"]))
+        if self.stage == 3 and mapped.get("zero_quantized_weights"):  # ZeRO++ qwZ
+            kw.setdefault("quantized_all_gather", Int8BlockQuant())
+        if self.stage == 3 and mapped.get("zero_hpz_partition_size", 1) > 1:  # ZeRO++ hpZ
+            kw.setdefault("hpz_group_size", mapped["zero_hpz_partition_size"])
         if self.device.type != "cpu":
             kw.setdefault("device_id", self.device)
         return FullyShardedDataParallel(model, sharding_strategy=strategy, **kw)

@@ -92,6 +92,7 @@ class FullParams:
             # Through .data: the write does not bump the version counter the forward's saved views share (a
             # backward pending since would refuse to run), as torch writes back.
             self.local_shard.data.copy_(self._full[start : start + self.layout.shard_numel])
+            self.secondary = None  # hpZ: kept from a forward before the edit; a pending backward gathers the new shard
             if undo["grads"] is not None:  # with_grads: this rank's part of the (maybe edited) gradient
                 own = undo["grads"][start : start + self.layout.shard_numel]
                 if self.flat_param.grad is None:

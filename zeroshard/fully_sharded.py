@@ -200,6 +200,7 @@ class FullyShardedDataParallel(nn.Module):
                     "register_comm_hook, no_sync or check_is_root was called on it directly, before the outer "
                     "model's first forward. Fix: make those calls on the outermost FullyShardedDataParallel.")
         validation.check_homogeneous(states)
+        validation.warn_if_nothing_quantized(states)
         for s in states[1:]:
             s._is_root = False
         self._is_root = True

@@ -136,12 +136,12 @@ def _flat_local(h, value, key: str) -> torch.Tensor:
             raise ValueError(f"zeroshard: LOCAL state dict entry '{key}' holds elements [{offset}, {offset + local.numel()}) "
                              f"of {size[0]} but this rank's shard of unit '{h.unit_name}' is [{start}, {start + valid}) "
                              f"of {h.layout.numel} {hint}")
-    elif torch.is_tensor(value) and tuple(value.shape) == (n,):  # zeroshard's earlier format: the padded shard
+    elif torch.is_tensor(value) and tuple(value.shape) in ((n,), (valid,)):  # zeroshard's earlier format: the shard
         local = value[:valid]
     else:
         shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
         raise ValueError(f"zeroshard: LOCAL state dict entry '{key}' is {shape} but this rank's shard of unit "
-                         f"'{h.unit_name}' has {valid} elements {hint}")
+                         f"'{h.unit_name}' has {valid} elements ({n} with its padding) {hint}")
     return local
 
 

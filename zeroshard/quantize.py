@@ -42,8 +42,9 @@ class Int8BlockQuant:
     scale_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        if self.block_size <= 0:
-            raise ValueError(f"zeroshard: Int8BlockQuant(block_size={self.block_size}) must be positive.")
+        if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"zeroshard: Int8BlockQuant(block_size={self.block_size!r}) must be a positive int "
+                             "(elements per scale). Fix: pass e.g. block_size=256.")
         if self.scale_dtype not in (torch.float32, torch.float16):
             raise ValueError(f"zeroshard: Int8BlockQuant scale_dtype must be float32 or float16, not {self.scale_dtype}.")
 

@@ -270,8 +270,10 @@ def check_extensions(bucket_cap_mb, param_persistence_threshold, quantized_all_g
         (param_persistence_threshold is not None and not (number(param_persistence_threshold) and param_persistence_threshold >= 0),
          f"param_persistence_threshold={param_persistence_threshold!r} must be a number of elements >= 0",
          "pass e.g. 100_000, or None to shard every unit"),
-        (quantized_all_gather is not None and not all(callable(getattr(quantized_all_gather, m, None)) for m in ("quantize", "dequantize")),
-         f"quantized_all_gather={quantized_all_gather!r} is not a quantizer", "pass zeroshard.quantize.Int8BlockQuant(), or None"),
+        (quantized_all_gather is not None and (isinstance(quantized_all_gather, type) or not all(
+            callable(getattr(quantized_all_gather, m, None)) for m in ("quantize", "dequantize"))),
+         f"quantized_all_gather={quantized_all_gather!r} is not a quantizer (an instance)",
+         "pass zeroshard.quantize.Int8BlockQuant() (called), or None"),
         (hpz_group_size is not None and not (isinstance(hpz_group_size, int) and not isinstance(hpz_group_size, bool) and hpz_group_size >= 1),
          f"hpz_group_size={hpz_group_size!r} must be a positive number of ranks", "pass a divisor of the world size, or None"),
     ]
@@ -294,6 +296,18 @@ def check_homogeneous(states):
             raise ValueError(f"zeroshard: the units under one root disagree on {name}: the root's is "
                              f"{getattr(states[0], attr)}, units wrapping {', '.join(odd)} differ. Fix: wrap every unit with the same {name} "
                              "(auto_wrap_policy passes the root's settings on).")
+
+
+def warn_if_nothing_quantized(states) -> None:
+    """``quantized_all_gather`` acts on sharded units only (an unsharded one
+    all-gathers nothing): say so where it acts on none, instead of training
+    unquantized silently."""
+    handles = [s._handle for s in states if s._handle is not None]
+    if any(s.quantized_all_gather is not None for s in states) and not any(h.quant is not None for h in handles):
+        warnings.warn("zeroshard: quantized_all_gather has no effect: no unit of this model is sharded (NO_SHARD, a "
+                      "world size of 1, or param_persistence_threshold keeps them all whole), so nothing is "
+                      "all-gathered. Fix: shard the model (FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD on 2 or more "
+                      "ranks), or drop quantized_all_gather.", stacklevel=4)
 
 
 def refuse_outputs_on_the_freed_buffer(handle, outputs) -> None:
