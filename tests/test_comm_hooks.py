@@ -162,7 +162,7 @@ def test_hooks_and_buckets_that_cannot_work_are_refused_before_backward(ranks):
     assert "record_stream" in said["torch's bf16 hook on CPU"] and "zeroshard.comm_hooks.bf16_compress_hook" in said[
         "torch's bf16 hook on CPU"]
     assert "disagree on bucket_cap_mb" in said["bucket_cap_mb on one unit"]
-    assert "register_comm_hook, no_sync or check_is_root" in said["hook made an inner unit the root"]
+    assert "register_comm_hook, no_sync, check_is_root" in said["hook made an inner unit the root"]
     assert all("Fix" in m for m in said.values()), said
 
 

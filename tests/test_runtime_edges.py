@@ -613,3 +613,39 @@ def test_a_unit_returning_a_view_of_its_parameters_is_refused(ranks, use_orig_pa
     """The view pointed into the buffer the unit's reshard frees right after: torch
     FSDP1 (and zeroshard before) segfaulted at the next read."""
     assert all(ranks.run(2, _output_views_a_freed_parameter, use_orig_params))
+
+
+def _training_states(rank, world_size):
+    """torch FSDP1's public ``training_state`` and ``params`` of each unit, seen
+    from inside forward and backward, after them and inside summon_full_params."""
+    out = {}
+    for engine in ("torch", "zeroshard"):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if engine == "torch":
+                model = tfsdp.FullyShardedDataParallel(net, auto_wrap_policy=twrap.ModuleWrapPolicy({nn.Linear}),
+                                                       device_id=torch.device("cpu"))
+            else:
+                model = zs.FSDP(net, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({nn.Linear}))
+        inner = model.module[0]
+        seen = []
+        inner.module.register_forward_hook(lambda *a: seen.append(("forward", inner.training_state.name)))
+        x = torch.randn(2, 4, requires_grad=True)
+        y = model(x)
+        seen.append(("after forward", inner.training_state.name))
+        y.sum().backward()
+        seen.append(("after backward", inner.training_state.name))
+        with type(model).summon_full_params(model):
+            seen.append(("summon", inner.training_state.name))
+        flat_cls = tfsdp.FlatParameter if engine == "torch" else zs.FlatParameter
+        out[engine] = seen, [isinstance(p, flat_cls) for p in inner.params], len(model.params)
+    return out
+
+
+def test_training_state_and_params_as_torch(ranks):
+    """They were AttributeErrors naming the wrapped module."""
+    out = ranks.run(2, _training_states)[0]
+    assert out["zeroshard"] == out["torch"], out
+    assert out["torch"][1] == [True] and len(out["torch"][0]) == 4

@@ -84,6 +84,10 @@ def _policy(which, lib, wrap_lib):
         return functools.partial(wrap_lib._or_policy, policies=[
             functools.partial(wrap_lib.lambda_auto_wrap_policy, lambda_fn=lambda m: isinstance(m, nn.Linear) and m.out_features == 3),
             functools.partial(wrap_lib.transformer_auto_wrap_policy, transformer_layer_cls={Block})])
+    if which == "private":  # torch's private helpers, as Accelerate's FSDP plugin and older scripts call them
+        return functools.partial(wrap_lib._or_policy, policies=[
+            functools.partial(wrap_lib._module_wrap_policy, module_classes={Block}),
+            functools.partial(wrap_lib._wrap_module_cls_individually, module_classes=[nn.Linear])])
     return wrap_lib.size_based_auto_wrap_policy  # default min_num_params (1e8): no unit but the fp32 ones
 
 
@@ -107,6 +111,7 @@ def _same_units(rank, world_size, name, which, mp):
     ("mlp", "always", False, 13),  # root, inp, blocks (the ModuleList), 3 blocks, 6 Linears in them, out
     ("mlp", "custom", False, 12),
     ("mlp", "or", False, 5),  # root, 3 blocks, the 3-wide output Linear
+    ("mlp", "private", False, 12),  # root, 3 blocks, every Linear (inp, 6 in blocks, out)
     ("bn", "bn_block", True, 5),
     ("bn", "size", True, 3),
 ])
@@ -272,3 +277,9 @@ def _double_wrapped(rank, world_size, use_orig_params):
 def test_wrapping_a_unit_again_matches_torch(ranks, use_orig_params):
     """FSDP(FSDP(model)): torch allows it; the outer unit owns no parameter."""
     assert ranks.run(2, _double_wrapped, use_orig_params) == [True, True]
+
+
+def test_policy_objects_are_policies():
+    """torch's _Policy base, for code that checks isinstance(policy, _Policy)."""
+    assert isinstance(zs.wrap.ModuleWrapPolicy({Block}), zs.wrap._Policy)
+    assert isinstance(zs.wrap.CustomPolicy(lambda m: False), zs.wrap._Policy)

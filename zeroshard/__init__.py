@@ -53,6 +53,7 @@ from .engine import Engine, initialize
 from .ext import ext_backend
 from .quantize import Int8BlockQuant
 from .fully_sharded import FSDP, FullyShardedDataParallel
+from .flat_param import FlatParameter
 from .handle import unsharded_tracker
 from .optim_legacy import OptimStateKeyType
 from .options import (
@@ -75,6 +76,7 @@ from .options import (
 __all__ = [
     "FullyShardedDataParallel",
     "FSDP",
+    "FlatParameter",
     "ShardingStrategy",
     "BackwardPrefetch",
     "MixedPrecision",

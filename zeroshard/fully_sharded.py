@@ -23,7 +23,7 @@ from . import state_dict as sd
 from .bucket import unit_strategy
 from .flat_param import collect_params, kept_out
 from .grad_norm import clip_grad_norm_
-from .handle import FlatParamHandle
+from .handle import FlatParamHandle, HandleState
 from .hpz import SecondaryShards
 from .mixed_precision import cast_buffers, cast_floats, root_inputs
 from .options import (BackwardPrefetch, CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType,
@@ -184,6 +184,22 @@ class FullyShardedDataParallel(nn.Module):
 
     # ------------------------------------------------------------------ runtime
     @property
+    def params(self) -> list:
+        """torch FSDP1's: the unit's FlatParameters (one; none without parameters)."""
+        return [self._handle.flat_param] if self._handle is not None else []
+
+    @property
+    def training_state(self):
+        """torch FSDP1's ``TrainingState``: SUMMON_FULL_PARAMS inside summon_full_params,
+        FORWARD_BACKWARD while the unit computes its forward or backward, else IDLE."""
+        from torch.distributed.fsdp._common_utils import TrainingState
+
+        if self._summoning:
+            return TrainingState.SUMMON_FULL_PARAMS
+        busy = self._handle is not None and self._handle.state != HandleState.IDLE
+        return TrainingState.FORWARD_BACKWARD if busy else TrainingState.IDLE
+
+    @property
     def module(self) -> nn.Module:
         """The wrapped module (inside an activation-checkpointing wrapper, as torch FSDP1 gives it)."""
         return _unwrapped(self._fsdp_wrapped_module)
@@ -197,8 +213,9 @@ class FullyShardedDataParallel(nn.Module):
             if s._is_root:
                 raise RuntimeError(
                     f"zeroshard: the inner unit wrapping {type(s.module).__name__} already became a root: its forward, "
-                    "register_comm_hook, no_sync or check_is_root was called on it directly, before the outer "
-                    "model's first forward. Fix: make those calls on the outermost FullyShardedDataParallel.")
+                    "state_dict, load_state_dict, register_comm_hook, no_sync, check_is_root or "
+                    "fsdp_modules(root_only=True) was called on it directly, before the outer model's first forward. "
+                    "Fix: make those calls on the outermost FullyShardedDataParallel.")
         validation.check_homogeneous(states)
         validation.warn_if_nothing_quantized(states)
         for s in states[1:]:

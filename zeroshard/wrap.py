@@ -63,6 +63,16 @@ def transformer_auto_wrap_policy(
     return True if recurse else isinstance(module, tuple(transformer_layer_cls))
 
 
+def _module_wrap_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, module_classes) -> bool:
+    """torch's private name for the function form of ModuleWrapPolicy."""
+    return transformer_auto_wrap_policy(module, recurse, nonwrapped_numel, module_classes)
+
+
+def _wrap_module_cls_individually(module: nn.Module, module_classes, recurse: bool, *args, **kwargs) -> bool:
+    """torch's private helper (Accelerate's FSDP plugin uses it): wrap each instance of ``module_classes``."""
+    return True if recurse else isinstance(module, tuple(module_classes))
+
+
 def _or_policy(module: nn.Module, recurse: bool, nonwrapped_numel: int, policies) -> bool:
     """Wrap where any of ``policies`` would (torch's private helper, which PEFT
     and Accelerate use to join a lambda policy and a transformer policy)."""
@@ -74,7 +84,15 @@ def always_wrap_policy(*args, **kwargs) -> bool:
     return True
 
 
-class ModuleWrapPolicy:
+class _Policy:
+    """torch's base of the policy objects (for ``isinstance`` checks): ``_run_policy``
+    maps each module to wrap to its unit's keywords."""
+
+    def _run_policy(self, root: nn.Module, ignored: set, root_kwargs: dict) -> dict[nn.Module, dict]:
+        raise NotImplementedError
+
+
+class ModuleWrapPolicy(_Policy):
     """Wrap every instance of ``module_classes`` (the object form of the policy above)."""
 
     def __init__(self, module_classes: Iterable[type[nn.Module]]):
@@ -90,7 +108,7 @@ class ModuleWrapPolicy:
         return f"ModuleWrapPolicy({[c.__name__ for c in self._module_classes]})"
 
 
-class CustomPolicy:
+class CustomPolicy(_Policy):
     """Decide module by module with ``lambda_fn(module)``: ``False`` (or ``{}``)
     leaves it alone, ``True`` makes it a unit with the root's keywords, a dict
     makes it a unit whose keywords are the root's updated by the dict, e.g.
