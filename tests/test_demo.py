@@ -75,3 +75,18 @@ def test_progress_bar_when_asked():
 def test_cli_names_its_commands():
     out = subprocess.run([sys.executable, "-m", "zeroshard"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "demo" in out.stdout
+
+
+def test_demo_counts_the_models_parameters_once():
+    """NO_SHARD printed the count times the world size (702k for a 351k model on 2 ranks)."""
+    from zeroshard.demo import CharGPT
+
+    out = subprocess.run(
+        [sys.executable, "-m", "zeroshard", "demo", "--steps", "3", "--chars", "20000", "--strategy", "NO_SHARD",
+         "--no-compare"], capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    said = re.search(r"(\d+)k parameters \(sharded over 2 ranks, NO_SHARD\).* vocab (\d+)", out.stdout)
+    assert said, out.stdout
+    n = sum(p.numel() for p in CharGPT(int(said.group(2))).parameters())
+    assert said.group(1) == f"{n / 1e3:.0f}", (said.group(0), n)

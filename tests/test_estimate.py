@@ -192,3 +192,22 @@ def test_cli_hpz_tradeoff():
                "--strategy", "FULL_SHARD", "--mixed-precision", "none", "--hpz-group-size", "2")
     assert f"| hpZ | {est.secondary_bytes:,} " in out and est.secondary_bytes > 0
     assert est.gpu_bytes == est.sharded_bytes + est.working_set_bytes + est.secondary_bytes
+
+
+def test_cli_refuses_what_it_cannot_estimate(capsys):
+    """A world size of 0 divided by zero, negative ones printed negative bytes,
+    hpZ with SHARD_GRAD_OP printed a FULL_SHARD table, and hpZ on one rank
+    crashed with --model (KeyError) or printed memory the engine never holds."""
+    from zeroshard.estimate import main
+
+    def refused(*args):
+        with pytest.raises(SystemExit):
+            main(list(args))
+        return capsys.readouterr().err
+
+    assert "argument --world-size: 0 must be >= 1" in refused("--params", "7e9", "--world-size", "0")
+    assert "argument --params: -7000000000.0 must be a finite number > 0" in refused("--params=-7e9", "--world-size", "4")
+    assert "only FULL_SHARD" in refused("--params", "7e9", "--world-size", "8", "--hpz-group-size", "2",
+                                        "--strategy", "SHARD_GRAD_OP")
+    out = main(["--model", "models:TinyGPT", "--wrap-class", "TransformerBlock", "--world-size", "1", "--hpz-group-size", "1"])
+    assert "ZeRO++ hpZ: no effect at --world-size 1" in out

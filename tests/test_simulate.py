@@ -175,3 +175,19 @@ def test_cli_prints_table_and_custom_setup(capsys):
     hsdp = main(["--params", "7e9", "--world-size", "128", "--shard-group", "8", "--ac", "1"])
     assert "all_reduce" in hsdp and "reduce_scatter" in hsdp
     capsys.readouterr()
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--world-size", "8"], "--world-size describes a custom setup: give --params too"),
+    (["--params", "7e9", "--world-size", "0"], "argument --world-size: 0 must be >= 1"),
+    (["--params", "7e9", "--layers", "0"], "argument --layers: 0 must be >= 1"),
+    (["--params", "7e9", "--ac", "-1"], "argument --ac: -1.0 must be between 0 and 1"),
+    (["--params", "7e9", "--efficiency", "5"], "argument --efficiency: 5.0 must be between 0 and 1"),
+    (["--params", "nan"], "argument --params: nan must be a finite number > 0"),
+    (["--params", "7e9", "--shard-group", "128"], "--shard-group 128 must divide --world-size 64"),
+])
+def test_cli_refuses_what_it_cannot_model(argv, said, capsys):
+    """These divided by zero, printed negative or >100 % figures, or ignored the flags."""
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert said in capsys.readouterr().err

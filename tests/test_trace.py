@@ -82,9 +82,12 @@ def test_forward_runs_between_gather_and_reshard(traced):
             # every wait on a gather ends with it
             for w in tl.select("wait", u):
                 assert any(g.start_ns <= w.start_ns and g.end_ns == w.end_ns for g in tl.select("all_gather", u))
-        # a unit's reshards after backward free its padded buffer
+        # a unit's reshards after backward free its padded buffer; a reshard that
+        # frees nothing (the root keeping its parameters after forward) draws no mark
         inner_frees = [a["freed_bytes"] for k, unit, _, a in tl.instants if k == "reshard" and unit == order[1]]
         assert inner_frees and all(b > 0 for b in inner_frees)
+        assert all(a["freed_bytes"] > 0 for k, _, _, a in tl.instants if k == "reshard")
+        assert len([1 for k, unit, _, _ in tl.instants if k == "reshard" and unit == order[0]]) == 1
 
 
 def test_backward_prefetch_overlaps(traced):

@@ -126,13 +126,14 @@ class Progress:
 
 def _train(rank, world_size, args, engine, text_ids, vocab):
     torch.manual_seed(0)
+    plain = CharGPT(vocab, ctx=args["ctx"])
+    n = sum(p.numel() for p in plain.parameters())  # counted before wrapping: no padding, not per rank
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = _wrap(engine, CharGPT(vocab, ctx=args["ctx"]), args)
+        model = _wrap(engine, plain, args)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses, ours = [], engine == "zeroshard"
     if rank == 0 and ours:
-        n = sum(p.numel() for p in model.parameters()) * world_size
         print(f"zeroshard demo: {n / 1e3:.0f}k parameters (sharded over {world_size} ranks, {args['strategy']}), "
               f"{text_ids.numel()} characters of stdlib source, vocab {vocab}", flush=True)
     elif rank == 0:

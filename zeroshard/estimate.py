@@ -56,6 +56,7 @@ from .flat_param import build_layout, collect_params
 from .fully_sharded import FullyShardedDataParallel
 from .hooks import MAX_LIVE_PREFETCH_UNITS
 from .options import ShardingStrategy
+from .simulate import positive_float, positive_int
 from .wrap import ModuleWrapPolicy, wrap_submodules
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "ZERO1", "NO_SHARD")
@@ -265,8 +266,8 @@ def _hpz_table(a, psi, model, policy) -> str:
     """The hpZ trade-off for FULL_SHARD: from the real units with --model, else Ψ
     (an upper bound: the root unit, which backward does not re-gather, is unknown)."""
     k, n = a.hpz_group_size, a.world_size
-    if n % k:
-        raise SystemExit(f"--hpz-group-size {k} must divide --world-size {n}")
+    if n == 1:  # the engine shards nothing on one rank (NO_SHARD): no secondary shards either
+        return "ZeRO++ hpZ: no effect at --world-size 1 (one rank holds the whole model; nothing is gathered)."
     dtype = DTYPES[a.mixed_precision]
     c = dtype.itemsize if dtype else 4
     if model is not None:
@@ -284,18 +285,23 @@ def _hpz_table(a, psi, model, policy) -> str:
 
 
 def main(argv=None) -> str:
-    ap = argparse.ArgumentParser(prog="python -m zeroshard.estimate", description=__doc__.split("\n")[0])
-    ap.add_argument("--params", type=float, help="number of parameters Ψ (e.g. 7e9)")
+    ap = argparse.ArgumentParser(prog="python -m zeroshard.estimate", description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap.add_argument("--params", type=positive_float, help="number of parameters Ψ (e.g. 7e9)")
     ap.add_argument("--model", help="module:function returning an nn.Module (built on the meta device)")
     ap.add_argument("--wrap-class", help="class name for ModuleWrapPolicy (with --model)")
-    ap.add_argument("--world-size", type=int, required=True)
+    ap.add_argument("--world-size", type=positive_int, required=True)
     ap.add_argument("--strategy", default="all", choices=[*STRATEGIES, "all"])
     ap.add_argument("--mixed-precision", default="bf16", choices=list(DTYPES))
     ap.add_argument("--offload", action="store_true", help="params/grads/optimizer state on CPU")
-    ap.add_argument("--hpz-group-size", type=int, help="ZeRO++ hpZ: secondary shards over k ranks (FULL_SHARD)")
+    ap.add_argument("--hpz-group-size", type=positive_int, help="ZeRO++ hpZ: secondary shards over k ranks (FULL_SHARD)")
     a = ap.parse_args(argv)
     if (a.params is None) == (a.model is None):
         ap.error("give exactly one of --params and --model")
+    if a.hpz_group_size is not None:
+        if a.world_size % a.hpz_group_size:
+            ap.error(f"--hpz-group-size {a.hpz_group_size} must divide --world-size {a.world_size}")
+        if a.strategy not in ("FULL_SHARD", "all"):
+            ap.error(f"--hpz-group-size: hpZ re-gathers for backward, which only FULL_SHARD does (not {a.strategy})")
     strategies = STRATEGIES if a.strategy == "all" else (a.strategy,)
     lines, model_est = [], {}  # strategy -> ModelEstimate from the real layouts
     if a.model:

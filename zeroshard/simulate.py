@@ -298,22 +298,60 @@ def custom_report(r: Result, title: str) -> str:
     return "\n".join(lines + [f"| {a} | {b} |" for a, b in rows])
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (a world size, a group, a count)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """argparse type: a finite number > 0 (a parameter count)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
+    return value
+
+
+def _fraction(low_open: bool):
+    def parse(text: str) -> float:
+        value = positive_float(text) if low_open else float(text)
+        if not 0 <= value <= 1:
+            raise argparse.ArgumentTypeError(f"{value} must be between 0 and 1")
+        return value
+    return parse
+
+
 def main(argv=None) -> str:
-    ap = argparse.ArgumentParser(prog="python -m zeroshard.simulate", description=__doc__.split("\n")[0])
-    ap.add_argument("--params", type=float, help="custom setup: Ψ (e.g. 7e9), split evenly over --layers units")
-    ap.add_argument("--world-size", type=int, default=64)
+    ap = argparse.ArgumentParser(prog="python -m zeroshard.simulate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--params", type=positive_float, help="custom setup: Ψ (e.g. 7e9), split evenly over --layers units")
+    ap.add_argument("--world-size", type=positive_int, default=64)
     ap.add_argument("--hardware", default="a100-400g", choices=list(HARDWARE))
-    ap.add_argument("--layers", type=int, default=32, help="transformer blocks (one FSDP unit each)")
-    ap.add_argument("--d-model", type=int, help="width (default: from Ψ ≈ 12·L·d²)")
-    ap.add_argument("--seq", type=int, default=4096)
-    ap.add_argument("--micro-batch", type=int, default=2, help="sequences per GPU per step")
+    ap.add_argument("--layers", type=positive_int, default=32, help="transformer blocks (one FSDP unit each)")
+    ap.add_argument("--d-model", type=positive_int, help="width (default: from Ψ ≈ 12·L·d²)")
+    ap.add_argument("--seq", type=positive_int, default=4096)
+    ap.add_argument("--micro-batch", type=positive_int, default=2, help="sequences per GPU per step")
     ap.add_argument("--dtype", default="bf16", choices=list(DTYPE_BYTES))
     ap.add_argument("--strategy", default="FULL_SHARD", choices=STRATEGIES)
-    ap.add_argument("--shard-group", type=int, help="HYBRID_SHARD: shard over this many ranks, replicate across")
-    ap.add_argument("--ac", type=float, default=0.0, help="fraction of blocks with activation checkpointing")
+    ap.add_argument("--shard-group", type=positive_int, help="HYBRID_SHARD: shard over this many ranks, replicate across")
+    ap.add_argument("--ac", type=_fraction(False), default=0.0, help="fraction of blocks with activation checkpointing")
     ap.add_argument("--no-prefetch", action="store_true")
-    ap.add_argument("--efficiency", type=float, help="override the preset's achievable fraction of peak")
+    ap.add_argument("--efficiency", type=_fraction(True), help="override the preset's achievable fraction of peak (0-1]")
     a = ap.parse_args(argv)
+    custom = [f for f in ("world_size", "hardware", "layers", "d_model", "seq", "micro_batch", "dtype", "strategy",
+                          "shard_group", "ac", "no_prefetch", "efficiency") if getattr(a, f) != ap.get_default(f)]
+    if a.params is None and custom:
+        ap.error(f"--{custom[0].replace('_', '-')} describes a custom setup: give --params too "
+                 "(without it the published setups are printed)")
+    if a.shard_group is not None and (a.shard_group > a.world_size or a.world_size % a.shard_group):
+        ap.error(f"--shard-group {a.shard_group} must divide --world-size {a.world_size}")
     if a.params is None:
         text = ("Published FSDP throughput vs this α-β model (one efficiency per GPU type: "
                 + ", ".join(f"{k} {h.efficiency:.2f}" for k, h in HARDWARE.items()) + ")\n\n" + comparison_table())

@@ -200,8 +200,11 @@ def gather_waited(unit: str, wait_start: int):
 
 
 def resharded(unit: str, freed_bytes: int, live_bytes: int):
+    """A unit pointed back at its shard: a "reshard" mark only where it freed its
+    full parameters (ZeRO-2 after forward and the root keep them: no mark)."""
     span_end("all_gather", unit)  # a prefetch nobody consumed completes here
-    instant("reshard", unit, freed_bytes=freed_bytes)
+    if freed_bytes:
+        instant("reshard", unit, freed_bytes=freed_bytes)
     counter(live_bytes)
 
 
