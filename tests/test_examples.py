@@ -101,7 +101,7 @@ def test_transformer_sharded_checkpoint_resumes_identically():
     assert "losses identical, final parameters identical (all 2 ranks)" in out, out
     resumed = re.findall(r"loss ([\d.]+)   resumed ([\d.]+)", out)
     assert len(resumed) == 4 and all(a == b for a, b in resumed), out
-    assert re.search(r"__0_0\.distcp, __1_0\.distcp\) \+ optim\.pt", out), out  # one shard file per rank
+    assert re.search(r"\(\.metadata, __0_0\.distcp, __1_0\.distcp, zeroshard\.json\): model and optimizer rows", out), out  # a file per rank
 
 
 def test_hybrid_shard_two_torchrun_nodes(tmp_path):

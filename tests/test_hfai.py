@@ -123,9 +123,12 @@ def test_group_size_must_divide_world(ranks):
         assert msg and "fsdp_group_size=3" in msg and "world size 4" in msg
 
 
-def test_example_runs():
-    out = subprocess.run([sys.executable, "-m", "zeroshard.examples.hfai_style", "--world-size", "4", "--steps", "4"],
-                         capture_output=True, text=True, timeout=300)
+def test_example_runs(tmp_path):
+    """--out may name a folder that does not exist yet (it was 'Parent directory ... does not exist')."""
+    ckpt = tmp_path / "new" / "ckpt"
+    out = subprocess.run([sys.executable, "-m", "zeroshard.examples.hfai_style", "--world-size", "4", "--steps", "4",
+                          "--out", str(ckpt)], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout + out.stderr
+    assert (ckpt / "full.pt").is_file() and (ckpt / "model3.pt").is_file()
     assert "full checkpoint reloads in a plain model: True" in out.stdout
     assert "local shards restore a fresh model: True" in out.stdout

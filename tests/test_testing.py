@@ -255,3 +255,30 @@ def test_default_input_reads_the_first_layer_and_state_dict_differences_are_at_t
         default_input(conv_first)  # used to feed the Linear's (4, 4) features to the Conv1d
     assert default_input(torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.ReLU()))(0, 0).shape == (4, 5)
     assert "differ at the end, state_dict of 'w'" in str(ParityError(3, "state_dict", "w", 1e-7, 0))
+
+
+def _die_on_rank0(rank, world_size):
+    import os
+
+    if rank == 0:
+        os._exit(7)  # what a segfault or the OOM killer looks like from outside: no report
+    return rank
+
+
+def test_a_rank_that_dies_is_named_not_timed_out():
+    """A rank that died without a report was a TimeoutError 'timed out after
+    60s' (raised after a few seconds) with no exit code; now a RuntimeError
+    naming the rank and its exit code, and the pool starts afresh."""
+    pool = RankPool(2)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"rank 0 exited with code 7 without a report"):
+            pool.run(_die_on_rank0, timeout=60)
+        assert time.monotonic() - start < 30
+        assert pool.run(_rank_and_size, timeout=60) == [(0, 2), (1, 2)]
+    finally:
+        pool.close()
+
+
+def _rank_and_size(rank, world_size):
+    return rank, world_size

@@ -57,7 +57,7 @@ def consolidate(ckpt_dir: str, out_path: str, key: str | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m zeroshard.consolidate", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m zeroshard.consolidate", description=__doc__.split("\n\n")[0])
     parser.add_argument("ckpt_dir", help="directory written by torch.distributed.checkpoint.save")
     parser.add_argument("out", help="output file (torch.save format)")
     parser.add_argument("--key", default=None, help="keep only this top-level entry (e.g. model, or optim for the FULL optimizer state dict)")

@@ -201,7 +201,7 @@ def _run(rank, world_size, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m zeroshard demo", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m zeroshard demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2, help="CPU ranks to spawn (gloo processes, one thread each)")
     p.add_argument("--steps", type=int, default=20, help="training steps (each rank: one batch per step)")
     p.add_argument("--strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy if "HYBRID" not in s.name],

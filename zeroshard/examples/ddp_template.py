@@ -174,7 +174,7 @@ def worker(rank, world_size, args, port=None):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m zeroshard.examples.ddp_template", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m zeroshard.examples.ddp_template", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2, help="ranks to spawn (ignored under torchrun)")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--small", action="store_true", help="CI size: 5 steps")

@@ -43,6 +43,7 @@ def train(rank, world_size, args):
             print(f"step {step}  loss {loss.item():.4f}", flush=True)
 
     out = args["out"]
+    os.makedirs(out, exist_ok=True)
     with model.summon_full_params():  # every rank enters; only rank 0 saves
         if rank == 0:
             torch.save(model.state_dict(), os.path.join(out, "full.pt"))
@@ -63,7 +64,7 @@ def train(rank, world_size, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m zeroshard.examples.hfai_style", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m zeroshard.examples.hfai_style", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--group-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=10)

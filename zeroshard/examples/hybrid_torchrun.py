@@ -72,7 +72,7 @@ def train(model, ids, rank, args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="torchrun ... -m zeroshard.examples.hybrid_torchrun", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="torchrun ... -m zeroshard.examples.hybrid_torchrun", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ctx", type=int, default=32)

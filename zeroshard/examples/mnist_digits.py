@@ -180,7 +180,7 @@ def fsdp_main(rank, world_size, args):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m zeroshard.examples.mnist_digits", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m zeroshard.examples.mnist_digits", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=int, default=64, metavar="N", help="input batch size per rank for training")
     parser.add_argument("--test-batch-size", type=int, default=1000, metavar="N")
     parser.add_argument("--epochs", type=int, default=10, metavar="N")

@@ -10,12 +10,13 @@ checkpoint that resumes bit for bit.
   bfloat16 (half the bytes of fp32), while each rank's shard, the master copy
   that AdamW steps, stays fp32. zeroshard supports bf16 and fp16 on CPU (and
   is bit-identical to torch FSDP1 there).
-* A checkpoint in the middle of training: the model as a SHARDED_STATE_DICT
-  written with ``torch.distributed.checkpoint`` (every rank writes only its
-  rows of each parameter; the directory reloads at another world size too),
-  and AdamW's state through ``FSDP.optim_state_dict`` (zeroshard gives the
-  FULL optimizer state dict; sharded optimizer state is not implemented yet),
-  written once by rank 0.
+* A checkpoint in the middle of training: the model and AdamW's state as
+  SHARDED state dicts (``FSDP.optim_state_dict`` under SHARDED_STATE_DICT),
+  written with ``torch.distributed.checkpoint`` through
+  ``zeroshard.checkpoint.save_sharded`` (every rank writes only its rows of
+  each parameter and state, into a directory swapped into place once complete;
+  it reloads at another world size too). A fresh optimizer has no state for
+  DCP to load into: ``init_optim_state`` makes it first.
 * The resume check: a fresh model (other initial weights) and optimizer
   load the checkpoint and train the remaining steps; their losses and final
   parameters must equal the uninterrupted run's exactly (``torch.equal``).
@@ -32,13 +33,12 @@ import os
 import tempfile
 
 import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard as fsdp
 from zeroshard import checkpoint
+from zeroshard.optim_state import init_optim_state
 from zeroshard.demo import _batches, load_text
 from zeroshard.testing import spawn
 from zeroshard.wrap import transformer_auto_wrap_policy
@@ -91,23 +91,24 @@ def train_steps(model, opt, batches, first: int, last: int):
     return losses
 
 
-def save_checkpoint(model, opt, path: str):
-    """Model: each rank writes its rows (DCP). Optimizer: one FULL file from rank 0."""
+def _sharded_state(model, opt) -> dict:
+    """Model and optimizer as DTensors of this rank's rows (and AdamW's scalar ``step``)."""
     with FSDP.state_dict_type(model, fsdp.StateDictType.SHARDED_STATE_DICT):
-        dcp.save({"model": model.state_dict()}, checkpoint_id=os.path.join(path, "model"))
-    osd = FSDP.optim_state_dict(model, opt)  # collective: every rank calls it
-    if dist.get_rank() == 0:
-        checkpoint.save(osd, os.path.join(path, "optim.pt"))
-    dist.barrier()
+        return {"model": model.state_dict(), "optim": FSDP.optim_state_dict(model, opt)}
+
+
+def save_checkpoint(model, opt, path: str):
+    """Every rank writes its rows of the model and of AdamW's states (DCP), atomically."""
+    checkpoint.save_sharded(_sharded_state(model, opt), path)
 
 
 def load_checkpoint(model, opt, path: str):
+    init_optim_state(opt)  # a fresh AdamW has no state yet for DCP to fill
+    state = _sharded_state(model, opt)  # the template DCP fills in place: this rank's rows
+    checkpoint.load_sharded(state, path)
     with FSDP.state_dict_type(model, fsdp.StateDictType.SHARDED_STATE_DICT):
-        state = {"model": model.state_dict()}  # the template DCP fills in place: this rank's rows
-        dcp.load(state, checkpoint_id=os.path.join(path, "model"))
         model.load_state_dict(state["model"])
-    osd = checkpoint.load(os.path.join(path, "optim.pt"))
-    opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, osd))
+        opt.load_state_dict(FSDP.optim_state_dict_to_load(model, opt, state["optim"]))
 
 
 def run(rank, world_size, args):
@@ -135,13 +136,13 @@ def run(rank, world_size, args):
             again = f"   resumed {resumed[step - k]:.6f}" if step >= k else ""
             print(f"step {step:3d}  loss {loss:.6f}{again}" + ("   <- checkpoint saved after this step" if step == k - 1 else ""),
                   flush=True)
-        files = sorted(os.listdir(os.path.join(args["ckpt"], "model")))
-        print(f"checkpoint: {os.path.join(args['ckpt'], 'model')} ({', '.join(files)}) + optim.pt", flush=True)
+        files = sorted(os.listdir(args["ckpt"]))
+        print(f"checkpoint: {args['ckpt']} ({', '.join(files)}): model and optimizer rows", flush=True)
     return {"losses": losses, "resumed": resumed, "same_params": same_params}
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(prog="python -m zeroshard.examples.transformer", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m zeroshard.examples.transformer", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--save-at", type=int, default=20, help="save the checkpoint after this many steps")

@@ -88,7 +88,7 @@ def _usage_problem(args: dict) -> str | None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m zeroshard.testing", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m zeroshard.testing", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
     q = sub.add_parser("parity", help="compare zeroshard with torch FSDP1 on your model, bit for bit")
     q.add_argument("factory", help="module:function returning an nn.Module (called once, under torch.manual_seed(seed))")

@@ -227,8 +227,11 @@ class RankPool:
                 # rank never joined; give them a moment, then stop waiting.
                 deadline = min(deadline, time.monotonic() + 5.0)
         name = getattr(fn, "__name__", str(fn))
-        if len(outputs) + len(errors) < self.world_size:
-            self.close(force=True)  # some rank is stuck: its collectives are unmatched
+        for r, p in enumerate(self.procs):  # a rank that died (a signal, os._exit) reports nothing: say how it ended
+            if p.exitcode is not None and r not in outputs and r not in errors:
+                errors[r] = (f"rank {r} exited with code {p.exitcode} without a report", None)
+        if len(outputs) + len(errors) < self.world_size or any(p.exitcode is not None for p in self.procs):
+            self.close(force=True)  # some rank is stuck (its collectives are unmatched) or gone: start afresh
         if errors:
             _raise_failures(name, errors, self.world_size)
         if len(outputs) < self.world_size:
