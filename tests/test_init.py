@@ -247,6 +247,54 @@ def test_hybrid_groups_and_shard_sizes(ranks):
     assert all(ranks.run(4, _hybrid_layout))
 
 
+def _groups_misused_and_subgroups(rank, world_size):
+    """On 4 ranks. (1) Replicate groups crossing shard positions ({0,3}, {1,2}
+    over shard groups {0,1}, {2,3}) trained with replicas diverging silently;
+    (2) fsdp_group_size silently replaced process_group. (3) A model sharded
+    over {0,1} (and another over {2,3}): its LOCAL state dict raised 'Global
+    rank 0 does not exist' on {2,3}, and optim_state_dict_to_load checked
+    over the world, waiting for ranks outside the model."""
+    import torch.distributed as dist
+
+    shard = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+    mine, other = shard[rank // 2], crossed[0 if rank in (0, 3) else 1]
+    said = []
+    for kw in ({"process_group": (mine, other), "sharding_strategy": zs.ShardingStrategy.HYBRID_SHARD},
+               {"process_group": (mine, other), "fsdp_group_size": 2}):
+        try:
+            zs.FSDP(build("mlp"), **kw)
+            said.append(None)
+        except ValueError as e:
+            said.append(str(e))
+    def make(seed):
+        model = zs.FSDP(build("mlp", seed=seed), process_group=mine, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    model, opt = make(0)
+    model(batch("mlp", rank, 0)).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.LOCAL_STATE_DICT):
+        local = model.state_dict()
+    osd = zs.FSDP.optim_state_dict(model, opt)
+    fresh, fresh_opt = make(1)
+    with zs.FSDP.state_dict_type(fresh, zs.StateDictType.LOCAL_STATE_DICT):
+        fresh.load_state_dict(local)
+    fresh_opt.load_state_dict(zs.FSDP.optim_state_dict_to_load(fresh, fresh_opt, osd))
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        m(batch("mlp", rank, 1)).sum().backward()
+        o.step()
+    return said, torch.equal(model(batch("mlp", rank, 2)), fresh(batch("mlp", rank, 2)))
+
+
+def test_hybrid_groups_misused_and_models_on_subgroups(ranks):
+    for said, restored in ranks.run(4, _groups_misused_and_subgroups):
+        assert said[0] is not None and "joins ranks at different positions" in said[0] and "Fix" in said[0], said
+        assert said[1] is not None and "pass only one of process_group, device_mesh and fsdp_group_size" in said[1], said
+        assert restored
+
+
 def _meta_equals_eager(rank, world_size, wrap_each):
     def make():
         return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 7), nn.Linear(7, 2))

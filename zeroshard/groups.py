@@ -19,6 +19,8 @@ import os
 
 import torch.distributed as dist
 
+from . import comm
+
 from .options import ShardingStrategy
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -55,6 +57,11 @@ def resolve(process_group, device_mesh, strategy, fsdp_group_size):
         raise ValueError("zeroshard: FullyShardedDataParallel got both process_group and device_mesh. "
                          "Fix: pass only one of them (the mesh's groups are the process groups).")
     if fsdp_group_size is not None:
+        if process_group is not None or device_mesh is not None:
+            raise ValueError("zeroshard: FullyShardedDataParallel got fsdp_group_size and "
+                             f"{'process_group' if process_group is not None else 'device_mesh'}; fsdp_group_size makes "
+                             "groups of its own, which would replace them. Fix: pass only one of process_group, "
+                             "device_mesh and fsdp_group_size.")
         if strategy not in HYBRID and strategy is not None:
             raise ValueError("zeroshard: fsdp_group_size shards within groups, which needs sharding_strategy=HYBRID_SHARD "
                              "or _HYBRID_SHARD_ZERO2. Fix: pass one of them (or leave sharding_strategy unset).")
@@ -71,6 +78,7 @@ def resolve(process_group, device_mesh, strategy, fsdp_group_size):
             _check_member(process_group[0], "process_group[0] (the shard group)")
             _check_member(process_group[1], "process_group[1] (the replicate group)")
             _check_hybrid(*process_group)
+            _check_grid(*process_group)
             return process_group
         if process_group is not None:
             raise ValueError("zeroshard: hybrid sharding takes process_group=(shard_group, replicate_group). "
@@ -104,6 +112,31 @@ def _check_hybrid(shard, replicate) -> None:
             f"group (ranks {sorted(replicate_ranks)}) share ranks {sorted(shard_ranks & replicate_ranks)}: they must "
             "share only this rank (a row and a column of a grid). Fix: build them as a grid (e.g. "
             "init_device_mesh('cpu', (replicas, shard_size)) and pass device_mesh=), or pass fsdp_group_size=k.")
+
+
+_grids_checked: set = set()
+
+
+def _check_grid(shard, replicate) -> None:
+    """Every rank of the replicate group holds the same part of the model: the
+    same position in a shard group of the same size. Crossed columns (ranks 0
+    and 3 of shard groups {0,1}, {2,3} replicating each other) would add up
+    different halves of each parameter: replicas diverging silently; shard
+    groups of different sizes hang in the first collective. Checked once per
+    pair of groups, by one exchange over the replicate group."""
+    key = (id(shard), id(replicate))
+    if replicate is None or key in _grids_checked:
+        return
+    mine = (dist.get_rank(shard), dist.get_world_size(shard))
+    everyone = comm.gather_objects(mine, replicate, what="HYBRID_SHARD: checking the replicate group's shard positions")
+    if any(theirs != mine for theirs in everyone):
+        ranks = dist.get_process_group_ranks(replicate)
+        seen = ", ".join(f"rank {r}: {p} of {n}" for r, (p, n) in zip(ranks, everyone))
+        raise ValueError(f"zeroshard: HYBRID_SHARD's replicate group (ranks {ranks}) joins ranks at different positions "
+                         f"of their shard groups ({seen}); each must hold the same part of the model. Fix: build the "
+                         "groups as a grid, e.g. init_device_mesh('cpu', (replicas, shard_size)) and device_mesh=, "
+                         "or fsdp_group_size=k.")
+    _grids_checked.add(key)
 
 
 def _check_member(group, what: str) -> None:

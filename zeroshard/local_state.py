@@ -23,6 +23,7 @@ import contextlib
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .state_dict import (CHECKPOINT_PREFIX, FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key,
@@ -67,7 +68,8 @@ def _flat_value(h, offload: bool):
     from torch.distributed._shard.sharded_tensor import Shard, init_from_local_shards
 
     start, valid = h.layout.shard_start, h.layout.shard_end - h.layout.shard_start
-    shards = [Shard.from_tensor_and_offsets(h.local_shard.detach()[:valid], [start], h.rank)] if valid else []
+    owner = dist.get_global_rank(h.group, h.rank)  # ShardedTensor places shards by global rank
+    shards = [Shard.from_tensor_and_offsets(h.local_shard.detach()[:valid], [start], owner)] if valid else []
     st = init_from_local_shards(shards, h.layout.numel, process_group=h.group)  # collective: metadata
     return st.cpu() if offload else st
 

@@ -138,8 +138,10 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
         groups, problem = _param_groups(source.param_groups, optim, fqn_groups), None
     except ValueError as e:
         problem = e
-    if agree:
-        _agree(problem, source.row_keys if source is not None else [], group)
+    if agree:  # over the model's groups unless told (a model on some ranks only: the others are not in the call)
+        root = units_of(model)[0]
+        pgs = [group] if group is not None else [root.process_group, getattr(root, "_replicate_group", None)]
+        _agree(problem, source.row_keys if source is not None else [], [g for g in pgs if g is not None])
     elif problem is not None:
         raise problem
     pid_of = {id(p): pid for pid, p in enumerate(params)}
@@ -195,28 +197,33 @@ def _param_groups(saved_groups: list, optim, fqn_groups: list) -> list:
     return groups
 
 
-def _agree(problem: ValueError | None, row_keys: list, group) -> None:
+def _agree(problem: ValueError | None, row_keys: list, groups: list) -> None:
     """Every rank learns whether any rank cannot load its dict, and whether all hold the same row-sharded
     states, before a state is fetched: fetching rows or rank 0's states is collective, so a rank raising
-    alone would leave the others waiting, and mismatched all-gathers abort the processes under gloo."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        if problem is not None:
-            raise problem
-        return
-    mine = (None if problem is None else str(problem), row_keys)
-    everyone = comm.gather_objects(mine, group, "optim_state_dict_to_load: checking every rank's state dict")
+    alone would leave the others waiting, and mismatched all-gathers abort the processes under gloo. Over
+    each of ``groups`` in turn (hybrid: the shard group, then the replicate group), what a rank learnt in
+    one is passed on in the next, and nobody raises before all exchanges are done."""
+    found = None  # the first problem seen on another rank
+    if dist.is_available() and dist.is_initialized():
+        for group in (g for g in groups if dist.get_world_size(g) > 1):
+            mine = (None if problem is None else str(problem), row_keys, found)
+            everyone = comm.gather_objects(mine, group, "optim_state_dict_to_load: checking every rank's state dict")
+            for r, (theirs, keys, relayed) in enumerate(everyone):
+                who = dist.get_global_rank(group, r)
+                if found is None and theirs is not None:
+                    found = (f"zeroshard: optim_state_dict_to_load: nothing was converted: rank {who} cannot load its "
+                             f"optimizer state dict: {theirs}")
+                elif found is None and relayed is not None:
+                    found = relayed
+                elif found is None and keys != row_keys:
+                    here, there = sorted(set(row_keys) - set(keys))[:3], sorted(set(keys) - set(row_keys))[:3]
+                    found = (f"zeroshard: optim_state_dict_to_load: this rank and rank {who} hold different "
+                             f"row-sharded optimizer states (only here: {here}, only there: {there}). Fix: give every "
+                             "rank the dict that optim_state_dict returned on it (or that DCP loaded).")
     if problem is not None:
         raise problem
-    for r, (theirs, keys) in enumerate(everyone):
-        who = r if group is None else dist.get_global_rank(group, r)
-        if theirs is not None:
-            raise ValueError(f"zeroshard: optim_state_dict_to_load: nothing was converted: rank {who} cannot load its "
-                             f"optimizer state dict: {theirs}")
-        if keys != row_keys:
-            here, there = sorted(set(row_keys) - set(keys))[:3], sorted(set(keys) - set(row_keys))[:3]
-            raise ValueError(f"zeroshard: optim_state_dict_to_load: this rank and rank {who} hold different row-sharded "
-                             f"optimizer states (only here: {here}, only there: {there}). Fix: give every rank the "
-                             "dict that optim_state_dict returned on it (or that DCP loaded).")
+    if found is not None:
+        raise ValueError(found)
 
 
 def _by_name(model: nn.Module, optim, params: list, state: dict, groups: list, empty_shard: list) -> dict:
