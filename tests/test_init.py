@@ -263,7 +263,7 @@ def _groups_misused_and_subgroups(rank, world_size):
     for kw in ({"process_group": (mine, other), "sharding_strategy": zs.ShardingStrategy.HYBRID_SHARD},
                {"process_group": (mine, other), "fsdp_group_size": 2}):
         try:
-            zs.FSDP(build("mlp"), **kw)
+            zs.FSDP(build("mlp"), **kw)(batch("mlp", rank, 0))  # the grid is checked at the first forward
             said.append(None)
         except ValueError as e:
             said.append(str(e))

@@ -218,6 +218,8 @@ class FullyShardedDataParallel(nn.Module):
                     "Fix: make those calls on the outermost FullyShardedDataParallel.")
         validation.check_homogeneous(states)
         validation.warn_if_nothing_quantized(states)
+        for s in states:
+            groups.check_grid(s.process_group, s._replicate_group)
         for s in states[1:]:
             s._is_root = False
         self._is_root = True

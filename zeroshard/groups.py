@@ -78,7 +78,6 @@ def resolve(process_group, device_mesh, strategy, fsdp_group_size):
             _check_member(process_group[0], "process_group[0] (the shard group)")
             _check_member(process_group[1], "process_group[1] (the replicate group)")
             _check_hybrid(*process_group)
-            _check_grid(*process_group)
             return process_group
         if process_group is not None:
             raise ValueError("zeroshard: hybrid sharding takes process_group=(shard_group, replicate_group). "
@@ -117,13 +116,15 @@ def _check_hybrid(shard, replicate) -> None:
 _grids_checked: set = set()
 
 
-def _check_grid(shard, replicate) -> None:
+def check_grid(shard, replicate) -> None:
     """Every rank of the replicate group holds the same part of the model: the
     same position in a shard group of the same size. Crossed columns (ranks 0
     and 3 of shard groups {0,1}, {2,3} replicating each other) would add up
     different halves of each parameter: replicas diverging silently; shard
     groups of different sizes hang in the first collective. Checked once per
-    pair of groups, by one exchange over the replicate group."""
+    pair of groups, by one exchange over the replicate group, at the root's
+    first forward (not at construction: a rank whose construction raised
+    would leave the others waiting in it)."""
     key = (id(shard), id(replicate))
     if replicate is None or key in _grids_checked:
         return

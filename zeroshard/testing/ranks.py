@@ -230,8 +230,10 @@ class RankPool:
         for r, p in enumerate(self.procs):  # a rank that died (a signal, os._exit) reports nothing: say how it ended
             if p.exitcode is not None and r not in outputs and r not in errors:
                 errors[r] = (f"rank {r} exited with code {p.exitcode} without a report", None)
-        if len(outputs) + len(errors) < self.world_size or any(p.exitcode is not None for p in self.procs):
-            self.close(force=True)  # some rank is stuck (its collectives are unmatched) or gone: start afresh
+        if errors or len(outputs) < self.world_size or any(p.exitcode is not None for p in self.procs):
+            # Some rank is stuck (its collectives unmatched), gone, or failed (maybe inside a collective,
+            # which leaves gloo's group unusable): the next run starts afresh instead of failing on it.
+            self.close(force=True)
         if errors:
             _raise_failures(name, errors, self.world_size)
         if len(outputs) < self.world_size:
