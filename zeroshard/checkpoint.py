@@ -407,8 +407,8 @@ def _describe_problem(state: dict, path: str, strict: bool) -> str | None:
     if strict:
         tops = {mapping[k][0] for k in flat}
         for key in entries:
-            if key not in flat and saved.planner_data.get(key, (key,))[0] in tops:
-                top = saved.planner_data.get(key, (key,))[0]
+            top = saved.planner_data.get(key, (key,))[0]
+            if key not in flat and top in tops:
                 empty = not any(".state." in k for k in flat if mapping[k][0] == top)
                 hint = (" An optimizer that has not stepped yet has no state to load into: call "
                         "zeroshard.optim_state.init_optim_state(optim) before optim_state_dict()."

@@ -21,6 +21,7 @@ import sys
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.utils._pytree import tree_leaves
 
 from . import checkpoint
 
@@ -66,16 +67,9 @@ def main(argv: list[str] | None = None) -> int:
         state = consolidate(args.ckpt_dir, args.out, args.key)
     except (OSError, KeyError) as e:  # the message names the path and the fix: no traceback
         parser.exit(1, f"{e.args[0] if isinstance(e, KeyError) else e}\n")
-    print(f"wrote {args.out}: {len(state)} entries, {_elements(state)} elements", file=sys.stderr)
+    elements = sum(t.numel() for t in tree_leaves(state) if torch.is_tensor(t))  # an optimizer's sit two levels down
+    print(f"wrote {args.out}: {len(state)} entries, {elements} elements", file=sys.stderr)
     return 0
-
-
-def _elements(x) -> int:
-    """Tensor elements in a nested state (an optimizer's states sit two levels down)."""
-    if torch.is_tensor(x):
-        return x.numel()
-    values = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
-    return sum(_elements(v) for v in values)
 
 
 if __name__ == "__main__":

@@ -285,7 +285,7 @@ def _hpz_table(a, psi, model, policy) -> str:
 
 
 def main(argv=None) -> str:
-    ap = argparse.ArgumentParser(prog="python -m zeroshard.estimate", description=" ".join(__doc__.split("\n\n")[0].split()))
+    ap = argparse.ArgumentParser(prog="python -m zeroshard.estimate", description=__doc__.split("\n\n")[0])
     ap.add_argument("--params", type=positive_float, help="number of parameters Ψ (e.g. 7e9)")
     ap.add_argument("--model", help="module:function returning an nn.Module (built on the meta device)")
     ap.add_argument("--wrap-class", help="class name for ModuleWrapPolicy (with --model)")

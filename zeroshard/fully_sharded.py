@@ -218,8 +218,9 @@ class FullyShardedDataParallel(nn.Module):
                     "Fix: make those calls on the outermost FullyShardedDataParallel.")
         validation.check_homogeneous(states)
         validation.warn_if_nothing_quantized(states)
-        for s in states:
-            groups.check_grid(s.process_group, s._replicate_group)
+        for shard, replicate in dict.fromkeys((s.process_group, s._replicate_group) for s in states):
+            if replicate is not None:  # once per pair (auto-wrapped units share the root's)
+                groups.check_grid(shard, replicate)
         for s in states[1:]:
             s._is_root = False
         self._is_root = True

@@ -20,7 +20,6 @@ import os
 import torch.distributed as dist
 
 from . import comm
-
 from .options import ShardingStrategy
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
@@ -113,9 +112,6 @@ def _check_hybrid(shard, replicate) -> None:
             "init_device_mesh('cpu', (replicas, shard_size)) and pass device_mesh=), or pass fsdp_group_size=k.")
 
 
-_grids_checked: set = set()
-
-
 def check_grid(shard, replicate) -> None:
     """Every rank of the replicate group holds the same part of the model: the
     same position in a shard group of the same size. Crossed columns (ranks 0
@@ -125,9 +121,6 @@ def check_grid(shard, replicate) -> None:
     pair of groups, by one exchange over the replicate group, at the root's
     first forward (not at construction: a rank whose construction raised
     would leave the others waiting in it)."""
-    key = (id(shard), id(replicate))
-    if replicate is None or key in _grids_checked:
-        return
     mine = (dist.get_rank(shard), dist.get_world_size(shard))
     everyone = comm.gather_objects(mine, replicate, what="HYBRID_SHARD: checking the replicate group's shard positions")
     if any(theirs != mine for theirs in everyone):
@@ -137,7 +130,6 @@ def check_grid(shard, replicate) -> None:
                          f"of their shard groups ({seen}); each must hold the same part of the model. Fix: build the "
                          "groups as a grid, e.g. init_device_mesh('cpu', (replicas, shard_size)) and device_mesh=, "
                          "or fsdp_group_size=k.")
-    _grids_checked.add(key)
 
 
 def _check_member(group, what: str) -> None:

@@ -345,8 +345,7 @@ def main(argv=None) -> str:
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--efficiency", type=_fraction(True), help="override the preset's achievable fraction of peak (0-1]")
     a = ap.parse_args(argv)
-    custom = [f for f in ("world_size", "hardware", "layers", "d_model", "seq", "micro_batch", "dtype", "strategy",
-                          "shard_group", "ac", "no_prefetch", "efficiency") if getattr(a, f) != ap.get_default(f)]
+    custom = [x.dest for x in ap._actions if x.dest not in ("help", "params") and getattr(a, x.dest) != x.default]
     if a.params is None and custom:
         ap.error(f"--{custom[0].replace('_', '-')} describes a custom setup: give --params too "
                  "(without it the published setups are printed)")

@@ -85,11 +85,9 @@ def always_wrap_policy(*args, **kwargs) -> bool:
 
 
 class _Policy:
-    """torch's base of the policy objects (for ``isinstance`` checks): ``_run_policy``
-    maps each module to wrap to its unit's keywords."""
-
-    def _run_policy(self, root: nn.Module, ignored: set, root_kwargs: dict) -> dict[nn.Module, dict]:
-        raise NotImplementedError
+    """torch's base of the policy objects (for ``isinstance`` checks); each one's
+    ``_run_policy(root, ignored, root_kwargs)`` maps the modules to wrap to their
+    units' keywords."""
 
 
 class ModuleWrapPolicy(_Policy):
