@@ -20,6 +20,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Activati
 from . import (comm_hooks, groups, hooks, local_state, materialize, optim_legacy, optim_load, optim_state, parent_load,
                validation)
 from . import state_dict as sd
+from . import state_dict_settings as sd_settings
 from .bucket import unit_strategy
 from .flat_param import collect_params, kept_out
 from .grad_norm import clip_grad_norm_
@@ -74,20 +75,10 @@ class FullyShardedDataParallel(nn.Module):
         sharding_strategy = as_member(sharding_strategy, ShardingStrategy, "sharding_strategy")
         backward_prefetch = as_member(backward_prefetch, BackwardPrefetch, "backward_prefetch")
         strategy = sharding_strategy or (ShardingStrategy.HYBRID_SHARD if fsdp_group_size else ShardingStrategy.FULL_SHARD)
-        ignored_modules, ignored_params = validation.split_ignored(ignored_modules, ignored_states, module)
+        ignored_modules, ignored_params = validation.split_ignored(ignored_modules, ignored_states, module, _is_unit)
         validation.check_extensions(bucket_cap_mb, param_persistence_threshold, quantized_all_gather, hpz_group_size)
         validation.refuse_torch_fsdp_inside(module)
         validation.check_option_types(cpu_offload, mixed_precision, device_id)
-        if any(_is_unit(m) for m in ignored_modules or ()):  # torch FSDP1's rule, with the fix
-            raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_modules should not "
-                             "include FSDP modules (the unit would be sharded anyway). Fix: ignore the module it wraps "
-                             "before wrapping it, or do not wrap it.")
-        if process_group is None and device_mesh is None and (not dist.is_available() or not dist.is_initialized()):
-            raise RuntimeError(
-                "zeroshard: FullyShardedDataParallel needs a process group, but torch.distributed is not "
-                "initialized. Fix: call torch.distributed.init_process_group('gloo' or 'nccl', ...) before "
-                "wrapping, or pass process_group=..."
-            )
         try:
             shard_group, replicate_group = groups.resolve(process_group, device_mesh, strategy, fsdp_group_size)
         except ValueError as e:  # named: under auto-wrapping the unit is not the module the user passed
@@ -209,18 +200,7 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root is not None:
             return
         states = [m for m in self.modules() if _is_unit(m)]
-        for s in states[1:]:
-            if s._is_root:
-                raise RuntimeError(
-                    f"zeroshard: the inner unit wrapping {type(s.module).__name__} already became a root: its forward, "
-                    "state_dict, load_state_dict, register_comm_hook, no_sync, check_is_root or "
-                    "fsdp_modules(root_only=True) was called on it directly, before the outer model's first forward. "
-                    "Fix: make those calls on the outermost FullyShardedDataParallel.")
-        validation.check_homogeneous(states)
-        validation.warn_if_nothing_quantized(states)
-        for shard, replicate in dict.fromkeys((s.process_group, s._replicate_group) for s in states):
-            if replicate is not None:  # once per pair (auto-wrapped units share the root's)
-                groups.check_grid(shard, replicate)
+        validation.check_new_root(states)
         for s in states[1:]:
             s._is_root = False
         self._is_root = True
@@ -233,7 +213,6 @@ class FullyShardedDataParallel(nn.Module):
                 s._handle.is_root = s is self
                 # Errors name units by their path in the model from now on.
                 s._handle.unit_name = (paths[s].replace("_fsdp_wrapped_module.", "") or "<root>") + f" ({s._handle.unit_name})"
-
 
     # torch.compile: the sharding runtime (all-gathers, resharding, hooks) runs
     # eagerly, as torch FSDP1's does, and the wrapped module's own forward is
@@ -338,7 +317,7 @@ class FullyShardedDataParallel(nn.Module):
         The state dict type also picks the optimizer state dict's form (FULL or
         SHARDED, as in torch); ``optim_state_dict_config`` adds options
         (``FullOptimStateDictConfig(rank0_only=True)``), see ``optim_state``."""
-        return sd.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        return sd_settings.state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
 
     @staticmethod
     def optim_state_dict(model, optim, optim_state_dict=None, group=None):
@@ -364,15 +343,15 @@ class FullyShardedDataParallel(nn.Module):
     @staticmethod
     def set_state_dict_type(module, state_dict_type, state_dict_config=None, optim_state_dict_config=None):
         """Set the state dict type of every unit in ``module``; returns the previous ``StateDictSettings``."""
-        previous = optim_state.state_dict_settings(module, strict=False)
-        sd.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
+        previous = sd_settings.state_dict_settings(module, strict=False)
+        sd_settings.set_state_dict_type(module, state_dict_type, state_dict_config, optim_state_dict_config)
         return previous
 
     @staticmethod
     def get_state_dict_type(module):
         """The ``StateDictSettings`` (type, config, optimizer config) the units of
         ``module`` share; None when it holds no unit (as torch FSDP1 returns)."""
-        return optim_state.state_dict_settings(module)
+        return sd_settings.state_dict_settings(module)
 
     # torch's older optimizer-state API (see optim_legacy)
     sharded_optim_state_dict = staticmethod(optim_legacy.sharded_optim_state_dict)

@@ -52,6 +52,10 @@ def block_groups(k: int, name: str = "fsdp_group_size"):
 
 def resolve(process_group, device_mesh, strategy, fsdp_group_size):
     """(shard group, replicate group or None) for this unit."""
+    if process_group is None and device_mesh is None and (not dist.is_available() or not dist.is_initialized()):
+        raise RuntimeError("zeroshard: FullyShardedDataParallel needs a process group, but torch.distributed is not "
+                           "initialized. Fix: call torch.distributed.init_process_group('gloo' or 'nccl', ...) before "
+                           "wrapping, or pass process_group=...")
     if process_group is not None and device_mesh is not None:
         raise ValueError("zeroshard: FullyShardedDataParallel got both process_group and device_mesh. "
                          "Fix: pass only one of them (the mesh's groups are the process groups).")

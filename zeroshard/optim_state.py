@@ -48,33 +48,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm
-from .options import DEFAULT_OPTIM_CONFIG, StateDictSettings, StateDictType
+from .options import StateDictType
 from .sharded_state import device_mesh, to_chunk_sharded_tensor, to_row_shard
 from .state_dict import OffRank0, clean_fqn, clean_key
+from .state_dict_settings import state_dict_settings
 from .summon import units_of
-
-
-def _kinds(s: StateDictSettings) -> tuple:
-    return s.state_dict_type, type(s.state_dict_config), type(s.optim_state_dict_config)
-
-
-def state_dict_settings(module: nn.Module, strict: bool = True) -> StateDictSettings | None:
-    """The units' common settings (an unset optimizer config reads as the
-    default for the type, as torch reports it); None without units. Raises if
-    the units disagree, since a state dict would then mix forms; with
-    ``strict=False`` (what torch's set_state_dict_type checks) only the types
-    and config classes must agree, and the first unit's settings are returned."""
-    found = None
-    for u in units_of(module):
-        optim_cfg = u.__dict__.get("_optim_state_dict_config") or DEFAULT_OPTIM_CONFIG[u._state_dict_type]()
-        settings = StateDictSettings(u._state_dict_type, u._state_dict_config, optim_cfg)
-        if found is None:
-            found = settings
-        elif settings != found and (strict or _kinds(settings) != _kinds(found)):
-            raise RuntimeError(f"zeroshard: the units of {type(module).__name__} have different state dict settings "
-                               f"({found} and {settings}). Fix: set them for the whole model with "
-                               "FSDP.set_state_dict_type(model, ...) on the root.")
-    return found
 
 
 def _settings(model: nn.Module) -> tuple[str, bool]:

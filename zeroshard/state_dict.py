@@ -36,7 +36,7 @@ import torch.nn as nn
 
 from . import comm, ext
 from .mixed_precision import orig_buffer_dtypes
-from .options import DEFAULT_CONFIG, StateDictType, as_member
+from .options import StateDictType
 from .sharded_state import check_row_shard, device_mesh, from_row_shard, is_sharded, row_keys_differ, to_row_shard
 from .summon import summon_full_params, units_of
 
@@ -370,38 +370,3 @@ def load(root, state_dict, strict: bool = True):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(root).__name__}:\n\t" + "\n\t".join(errors))
         return type(result)(missing, unexpected)
     raise ValueError(f"zeroshard: load_state_dict for {kind.name} is not supported. Fix: use FULL or SHARDED_STATE_DICT here (LOCAL: local_state).")
-
-
-@contextlib.contextmanager
-def state_dict_type(module, kind: StateDictType, config=None, optim_config=None):
-    """Inside, every unit of ``module`` uses ``kind`` for state dicts and
-    ``optim_config`` (see ``optim_state``) for optimizer state dicts."""
-    previous = set_state_dict_type(module, kind, config, optim_config)
-    try:
-        yield
-    finally:
-        for u, (k, c, oc) in previous.items():
-            u._state_dict_type, u._state_dict_config, u.__dict__["_optim_state_dict_config"] = k, c, oc
-
-
-def set_state_dict_type(module, kind: StateDictType, config=None, optim_config=None):
-    """Set every unit's state dict type and configs; returns the previous ones.
-
-    ``optim_config`` None means the default for ``kind`` (resolved by
-    ``optim_state``: full on every rank, or sharded under SHARDED_STATE_DICT)."""
-    kind = as_member(kind, StateDictType, "state_dict_type")
-    if config is None and kind in DEFAULT_CONFIG:
-        config = DEFAULT_CONFIG[kind]()
-    prefix = {StateDictType.FULL_STATE_DICT: "Full", StateDictType.LOCAL_STATE_DICT: "Local",
-              StateDictType.SHARDED_STATE_DICT: "Sharded"}.get(kind)
-    for cfg, suffix in ((config, "StateDictConfig"), (optim_config, "OptimStateDictConfig")):
-        # Matched by class name, so torch's config classes work as well as zeroshard's.
-        if cfg is not None and prefix is not None and type(cfg).__name__ != prefix + suffix:
-            raise RuntimeError(f"zeroshard: set_state_dict_type({kind.name}) got a {type(cfg).__name__}. "
-                             f"Fix: pass a {prefix}{suffix} (or None for the default).")
-    previous = {}
-    for u in units_of(module):
-        previous[u] = (u._state_dict_type, u._state_dict_config, u.__dict__.get("_optim_state_dict_config"))
-        u._state_dict_type, u._state_dict_config = kind, config
-        u.__dict__["_optim_state_dict_config"] = optim_config
-    return previous

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import comm
+from . import comm, groups
 from .flat_param import FlatLayout, FlatParameter
 
 
@@ -210,9 +210,18 @@ def compute_device(module: nn.Module, device_id, group) -> torch.device:
     return device
 
 
-def split_ignored(ignored_modules, ignored_states, module):
+def split_ignored(ignored_modules, ignored_states, module, is_unit):
     """torch FSDP1's ``ignored_states``: modules (as ``ignored_modules``) or
     parameters (kept out of every FlatParameter: replicated, not reduced)."""
+    ignored_modules, ignored_params = _split_ignored(ignored_modules, ignored_states, module)
+    if any(is_unit(m) for m in ignored_modules or ()):  # torch FSDP1's rule, with the fix
+        raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_modules should not "
+                         "include FSDP modules (the unit would be sharded anyway). Fix: ignore the module it wraps "
+                         "before wrapping it, or do not wrap it.")
+    return ignored_modules, ignored_params
+
+
+def _split_ignored(ignored_modules, ignored_states, module):
     if ignored_states is None:
         others = sorted({type(m).__name__ for m in ignored_modules or () if not isinstance(m, nn.Module)})
         if others:  # torch's check too; a Parameter here is the likely slip (it belongs in ignored_states)
@@ -230,6 +239,24 @@ def split_ignored(ignored_modules, ignored_states, module):
     raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_states must be all "
                      f"nn.Parameters or all nn.Modules, got {sorted({type(s).__name__ for s in states})}. "
                      "Fix: split them, passing one kind.")
+
+
+def check_new_root(states) -> None:
+    """At the root's first forward (``states``: its units, itself first): no
+    inner unit is a root already, the units agree on what must be shared, and
+    each hybrid unit's (shard, replicate) groups form a grid."""
+    for s in states[1:]:
+        if s._is_root:
+            raise RuntimeError(
+                f"zeroshard: the inner unit wrapping {type(s.module).__name__} already became a root: its forward, "
+                "state_dict, load_state_dict, register_comm_hook, no_sync, check_is_root or "
+                "fsdp_modules(root_only=True) was called on it directly, before the outer model's first forward. "
+                "Fix: make those calls on the outermost FullyShardedDataParallel.")
+    check_homogeneous(states)
+    warn_if_nothing_quantized(states)
+    for shard, replicate in dict.fromkeys((s.process_group, s._replicate_group) for s in states):
+        if replicate is not None:  # once per pair (auto-wrapped units share the root's)
+            groups.check_grid(shard, replicate)
 
 
 def refuse_torch_fsdp_inside(module: nn.Module) -> None:
