@@ -73,6 +73,38 @@ def test_with_grads_writeback_reaches_the_shards(ranks):
     assert ranks.run(2, _grads_written_back) == [True, True]
 
 
+def _frozen_shard_with_grads(rank, world_size):
+    # Linear(4, 4) with a frozen weight: flat = 16 + 4, so rank 0's shard (10) holds only frozen
+    # elements and has no gradient, while rank 1's holds the bias's (a LoRA-like unit).
+    def make():
+        torch.manual_seed(0)
+        lin = nn.Linear(4, 4)
+        lin.weight.requires_grad_(False)
+        return lin
+
+    models = _both(make, use_orig_params=True)
+    seen = []
+    for (lib, _), m in zip(ENGINES, models):
+        m(batch("mlp", rank, 0)[:, :4]).pow(2).sum().backward()
+        with lib.FullyShardedDataParallel.summon_full_params(m, with_grads=True):
+            seen.append([None if p.grad is None else p.grad.clone() for p in m.parameters()])
+        seen.append([None if p.grad is None else p.grad.clone() for p in m.parameters()])
+        m(batch("mlp", rank, 1)[:, :4]).sum().backward()  # the unit still trains
+        seen.append([None if p.grad is None else p.grad.clone() for p in m.parameters()])
+    half = len(seen) // 2
+    for a, b in zip(seen[:half], seen[half:]):
+        assert [x is None for x in a] == [x is None for x in b]
+        assert all(x is None or torch.equal(x, y) for x, y in zip(a, b))
+    return [x is None for x in seen[half + 1]]
+
+
+def test_with_grads_on_a_rank_whose_shard_has_no_gradient(ranks):
+    """A rank whose shard holds only frozen parameters (no flat gradient) sees the full gradients inside
+    summon_full_params(with_grads=True) and has no gradient again after it, as in torch: it used to assign
+    a shard-sized gradient to the still-gathered parameter and raise on that rank, leaving the other hung."""
+    assert ranks.run(2, _frozen_shard_with_grads) == [[True, True], [True, False]]
+
+
 def _plain_root_recurse_false(rank, world_size):
     shapes = []
     for lib, extra in ENGINES:

@@ -93,12 +93,10 @@ class FullParams:
             # backward pending since would refuse to run), as torch writes back.
             self.local_shard.data.copy_(self._full[start : start + self.layout.shard_numel])
             self.secondary = None  # hpZ: kept from a forward before the edit; a pending backward gathers the new shard
-            if undo["grads"] is not None:  # with_grads: this rank's part of the (maybe edited) gradient
-                own = undo["grads"][start : start + self.layout.shard_numel]
-                if self.flat_param.grad is None:
-                    self.flat_param.grad = own.clone()
-                else:
-                    self.flat_param.grad.copy_(own)
+            # with_grads: this rank's part of the (maybe edited) gradient. A rank that had no gradient (its
+            # shard all frozen parameters) gathered zeros for it and has none again, as in torch.
+            if undo["grads"] is not None and self.flat_param.grad is not None:
+                self.flat_param.grad.copy_(undo["grads"][start : start + self.layout.shard_numel])
         if not self.use_orig_params:
             for info in (*self.layout.params, *self.layout.shared):
                 info.module._parameters.pop(info.name, None)
