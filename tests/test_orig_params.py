@@ -293,3 +293,71 @@ def test_a_zero_element_parameter_gets_its_empty_grad_where_torch_gives_one(rank
     other rank None. zeroshard left it None on every rank, so the optimizer
     state differed from torch's."""
     assert ranks.run(2, _zero_element_parameter) == [True, False]
+
+
+class _Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class _ReadsChildWeight(nn.Module):
+    """The root's forward reads its child unit's parameter after the child ran (weight reuse across modules)."""
+
+    def __init__(self, d=6):
+        super().__init__()
+        self.child, self.lin = _Block(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        h = self.child(x)
+        return self.lin(h) + nn.functional.linear(h, self.child.fc2.weight)
+
+
+def _parent_reads_child_weight(rank, world_size, use_orig_params):
+    import torch.distributed as dist
+
+    import zeroshard as zs
+
+    def build():
+        torch.manual_seed(0)
+        return _ReadsChildWeight()
+
+    plain, m = build(), build()
+    kw = dict(use_orig_params=use_orig_params, sharding_strategy=zs.ShardingStrategy.NO_SHARD)
+    m.child = zs.FSDP(m.child, **kw)
+    m = zs.FSDP(m, **kw)
+    x = batch("mlp", rank, 0, d_in=6)
+    plain(x).pow(2).mean().backward()
+    m(x).pow(2).mean().backward()
+    want = plain.child.fc2.weight.grad.clone()
+    dist.all_reduce(want)  # DDP's average: what every replica must apply
+    want /= world_size
+    if use_orig_params:
+        with zs.FSDP.summon_full_params(m, with_grads=True):
+            full = m.child.fc2.weight.grad.clone()
+        assert torch.equal(m.child.fc2.weight.grad, full)
+    else:  # NO_SHARD: the FlatParameter's gradient is the whole one
+        h = m.child._handle
+        info = h.layout.params[2]  # fc1.weight, fc1.bias, fc2.weight, ...
+        assert info.name == "weight" and info.module is m.child.module.fc2
+        full = info.unflat(h.flat_param.grad[info.offset : info.offset + info.numel])
+    everyone = [torch.empty_like(full) for _ in range(world_size)]
+    dist.all_gather(everyone, full)
+    assert all(torch.equal(everyone[0], t) for t in everyone), "replicas got different gradients"
+    return (full - want).abs().max().item()
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_no_shard_parent_reading_a_child_parameter_gets_the_averaged_gradient(ranks, use_orig_params):
+    """NO_SHARD with use_orig_params=True added the parent's part of the child's
+    weight gradient after the all-reduce, unreduced: each replica applied its
+    own data's term and the replicas drifted apart for good (torch FSDP1 drops
+    the term). It is averaged with the rest, as DDP (and use_orig_params=False,
+    where it reaches the FlatParameter through autograd) does: bit-equal to
+    the plain model's all-reduced average on 2 ranks. (The pre-backward
+    gather wrote the term into the flat gradient as a user's .grad edit and
+    the end of backward added it again.)"""
+    assert ranks.run(2, _parent_reads_child_weight, use_orig_params) == [0.0, 0.0]

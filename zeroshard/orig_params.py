@@ -240,6 +240,8 @@ class OrigParams:
                     flat_grad = self.flat_param.grad = torch.zeros_like(self.local_shard)
                 self._write_slice(p.grad, flat_grad, offset, numel, info, "gradient")
                 self.grad_none.discard(i)
+                if self._grads_at_backward is not None:  # inside a backward (its pre-backward gather): a term autograd
+                    self._grads_at_backward[i] = p.grad  # gave, now in the flat gradient; not to be added again after
         for info in self.layout.shared:
             if info.module._parameters.get(info.name) is not self.orig_params[info.prim_index]:
                 raise RuntimeError(f"zeroshard: '{info.fqn}' in unit '{self.unit_name}' shares its parameter with another "
