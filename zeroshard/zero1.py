@@ -15,7 +15,7 @@ what is split is the optimizer:
 One step at a gradient-accumulation boundary:
 
 1. **reduce** — each rank flattens its locally accumulated ``.grad``s,
-   multiplies by 1/N (DDP's pre-divide, so the sum is the mean) and
+   divides by N (DDP's pre-divide, so the sum is the mean) and
    reduce-scatters: rank r receives the summed chunk r. Reduce-scatter rather
    than all-reduce-then-slice: an all-reduce moves 2Ψ(N-1)/N bytes per rank
    and the slice would discard (N-1)/N of what it produced, whereas
@@ -92,7 +92,7 @@ class ZeroOneOptimizer:
             raise ValueError("zeroshard: ZeRO-1 needs an optimizer that has not stepped yet (its state would be "
                              "replicated, not sharded). Fix: pass a freshly built optimizer.")
         self.optimizer = optimizer
-        self.group = process_group
+        self.group, self.master_device = process_group, master_device
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
         # Whether this rank / any rank had a gradient at the last reduce (see clip_grad_norm_).
@@ -107,6 +107,30 @@ class ZeroOneOptimizer:
             part = _Partition(params, self.world, self.rank, master_device)
             self.partitions.append(part)
             group["params"] = [part.master]
+        # A group added later (``optimizer.add_param_group``, e.g. layers unfrozen mid-run, as torch's
+        # ZeroRedundancyOptimizer allows) is partitioned too: added plainly, it would step each rank's
+        # own unreduced gradients and the replicas would drift apart.
+        self._add_to_inner = optimizer.add_param_group
+        optimizer.add_param_group = self.add_param_group
+
+    def add_param_group(self, group: dict) -> None:
+        """Add a param group (collective in effect: every rank must add the same one)."""
+        params = group["params"]
+        params = [params] if torch.is_tensor(params) else list(params)
+        held = {id(p) for p in self.model_params()}
+        if any(id(p) in held for p in params):
+            raise ValueError("zeroshard: ZeRO-1 add_param_group: some parameters are already in a param group. "
+                             "Fix: add only parameters the optimizer does not hold yet.")
+        trainable = [p for p in params if p.requires_grad]
+        part = _Partition(trainable, self.world, self.rank, self.master_device) if trainable else None
+        self._add_to_inner({**group, "params": [part.master] if part is not None else []})
+        self.partitions.append(part)
+
+    def _check_groups(self) -> None:
+        if len(self.optimizer.param_groups) != len(self.partitions):
+            raise RuntimeError(f"zeroshard: the ZeRO-1 optimizer has {len(self.optimizer.param_groups)} param groups but "
+                               f"{len(self.partitions)} were partitioned: a group was added past add_param_group, so its "
+                               "gradients would not be reduced across ranks. Fix: call optimizer.add_param_group(...).")
 
     @property
     def parts(self) -> list[_Partition]:
@@ -121,13 +145,14 @@ class ZeroOneOptimizer:
         """Sum (mean) the accumulated ``.grad``s over ranks into the master chunks' ``.grad``.
         A parameter without ``.grad`` contributes zeros: its elements are still
         stepped with the chunk (as in DeepSpeed; DDP would skip the parameter)."""
+        self._check_groups()
         pending = []
         self.had_grads = any(p.grad is not None for p in self.model_params())
         for part in self.parts:
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in part.params]
             flat = ext.flatten(grads, part.offsets, part.layout.padded_numel)
             if self.world > 1:
-                flat.mul_(1.0 / self.world)
+                flat.div_(self.world)  # as DeepSpeed (x * (1/3) rounds differently from x / 3)
                 out = flat.new_empty(part.layout.shard_numel)
                 work = comm.reduce_scatter(out, flat, self.group, what="ZeRO-1 gradients")
                 pending.append((part, out, work))
