@@ -901,3 +901,28 @@ def test_per_rank_client_state_at_stage_3_and_frozen_parameters_left_out(ranks, 
         assert left_out == ["inp.weight"], left_out
         assert client == {"rank": rank if stage == 3 else 0}
         assert getters == (7, False)
+
+
+def _direct_backward(rank, world_size, stage, accum):
+    engine, *_ = _engine(stage, accum=accum)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    for micro in range(accum):
+        engine(batch("mlp", rank, micro)).float().pow(2).mean().backward()  # not engine.backward(loss)
+        if micro < accum - 1:
+            engine.step()
+    with pytest.raises(RuntimeError, match=r"engine\.backward\(loss\)"):
+        engine.step()
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    engine.zero_grad()
+    _train(engine, rank, 1, 0)  # the engine's own loop still steps
+    return unchanged and engine.global_steps == 1
+
+
+@pytest.mark.parametrize("stage,accum", [(0, 1), (1, 2), (3, 2)])
+def test_loss_backward_instead_of_engine_backward_is_refused(ranks, stage, accum):
+    """loss.backward() in place of engine.backward(loss) trained silently wrong:
+    at stage 0 nothing was all-reduced (replicas 0.21 apart after 4 steps), with
+    accumulation the gradients were gradient_accumulation_steps times too large.
+    DeepSpeed raises at stage 0; zeroshard raises wherever the step would be wrong,
+    before changing anything."""
+    assert all(ranks.run(2, _direct_backward, stage, accum))

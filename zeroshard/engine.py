@@ -113,6 +113,7 @@ class Engine(ConfigGetters, nn.Module):
         self._global_grad_norm = None
         self._step_applied, self._boundary = False, None  # the last boundary's step taken; a set boundary
         self._no_sync = False
+        self._backwards = 0  # engine.backward calls since the last optimizer step (see _check_backward)
         self.dp_world_size = self.world_size
         self.zero1: ZeroOneOptimizer | None = None
         if optimizer is not None and cfg.optimizer is not None:
@@ -224,6 +225,7 @@ class Engine(ConfigGetters, nn.Module):
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss if self.loss_scaler is None else loss.float() * self.loss_scaler.loss_scale
         scaled.backward(retain_graph=retain_graph)
+        self._backwards += 1
         if self.stage == 0 and self.is_gradient_accumulation_boundary() and not self._no_sync:
             data_parallel.allreduce_gradients(self.module.parameters(), self.world_size)
         return loss
@@ -267,9 +269,22 @@ class Engine(ConfigGetters, nn.Module):
             self._take_model_step(lr_kwargs)
         self.micro_steps += 1
 
+    def _check_backward(self) -> None:
+        """Refuse gradients from ``loss.backward()`` alone where ``engine.backward`` does more (DeepSpeed raises at stage 0)."""
+        needed = self.stage == 0 or self.gradient_accumulation_steps() > 1 or self.loss_scaler is not None
+        if self._backwards or not needed or not any(p.grad is not None for p in self.module.parameters()):
+            return
+        does = ("all-reduces them at stage 0" if self.stage == 0 else "scales the fp16 loss" if self.loss_scaler
+                is not None else "divides the loss by gradient_accumulation_steps")
+        raise RuntimeError(f"zeroshard engine: step() after gradients came from loss.backward() alone; engine.backward(loss) "
+                           f"{does}, so the step would be wrong (DeepSpeed: 'Direct calls to tensor.backward() are not "
+                           "supported'). Fix: call engine.backward(loss).")
+
     def _take_model_step(self, lr_kwargs=None) -> None:
         if self.optimizer is None:
             raise RuntimeError("zeroshard engine: step() without an optimizer. Fix: pass optimizer= or add an 'optimizer' section.")
+        self._check_backward()
+        self._backwards = 0
         if self.zero1 is not None:
             self.zero1.reduce_gradients()
             grads = self.zero1.master_grads()
