@@ -86,3 +86,35 @@ def test_ranks_disagreeing_on_fsdp_arguments_detected_at_construction(which, nam
         spawn(_different_settings, 2, which, timeout=120, pg_timeout=20)
     msg = str(info.value)
     assert "different layout on different ranks" in msg and f"{name}=" in msg and "Fix" in msg, msg
+
+
+def _two_process_groups(rank, world_size, port):
+    """Train, destroy the default process group, init a new one (a sweep, a notebook), train again."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    kinds = (dict(sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD, fsdp_group_size=1), dict(hpz_group_size=2))
+    calls = []
+    for round_ in range(2):
+        if round_:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=30))
+        for kw in kinds:
+            torch.manual_seed(0)
+            m = zs.FSDP(MLP(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), **kw)
+            with zs.comm_stats() as stats:
+                m(batch("mlp", rank, 0)).sum().backward()
+            calls.append(sum(stats.calls.values()))
+    return calls[:2] == calls[2:]
+
+
+def test_groups_are_rebuilt_under_a_new_default_process_group():
+    """fsdp_group_size / hpz_group_size groups were cached for the process's
+    life: after destroy_process_group() and a new init, wrapping failed ('not
+    initialized in the world group map'), and hpZ gathered over a group of the
+    destroyed one (comm_stats raised KeyError on it)."""
+    from zeroshard.testing.ranks import free_port
+
+    assert spawn(_two_process_groups, 2, free_port(), timeout=120, pg_timeout=30) == [True, True]

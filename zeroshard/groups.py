@@ -23,7 +23,17 @@ from . import comm
 from .options import ShardingStrategy
 
 HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+# (k, world) -> (shard, replicate): built once, so 50 models do not make 50 sets of groups;
+# rebuilt once the default group they came from was destroyed (a second init_process_group).
 _block_groups: dict[tuple[int, int], tuple] = {}
+
+
+def _alive(group) -> bool:
+    try:
+        dist.get_process_group_ranks(group)  # a local lookup; destroy_process_group() drops every group
+        return True
+    except (KeyError, ValueError, RuntimeError):
+        return False
 
 
 def block_groups(k: int, name: str = "fsdp_group_size"):
@@ -35,7 +45,7 @@ def block_groups(k: int, name: str = "fsdp_group_size"):
             "Fix: pick a divisor of the world size (e.g. the ranks per node)."
         )
     key = (k, world)
-    if key not in _block_groups:
+    if key not in _block_groups or not all(map(_alive, _block_groups[key])):
         rank, shard, replicate = dist.get_rank(), None, None
         # Every rank must create every group, in the same order.
         for start in range(0, world, k):
