@@ -926,3 +926,27 @@ def test_loss_backward_instead_of_engine_backward_is_refused(ranks, stage, accum
     DeepSpeed raises at stage 0; zeroshard raises wherever the step would be wrong,
     before changing anything."""
     assert all(ranks.run(2, _direct_backward, stage, accum))
+
+
+def _direct_backward_frozen_shard(rank, world_size, stage):
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 4)
+    m.weight.requires_grad_(False)  # 16 frozen + 4 trainable elements: rank 0's shard is all frozen
+    cfg = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}, "zero_optimization": {"stage": stage}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        engine, *_ = initialize(model=m, config=cfg)
+    engine(batch("mlp", rank, 0)[:, :4]).pow(2).mean().backward()
+    engine.step()
+    engine(batch("mlp", rank, 1)[:, :4]).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"engine\.backward\(loss\)"):
+        engine.step()
+    return True
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_loss_backward_refusal_is_decided_by_every_rank(ranks, stage):
+    """A rank whose shard holds only frozen elements sees no gradient: it went on
+    into the step's collectives while the other raised, and waited for ever."""
+    assert ranks.run(2, _direct_backward_frozen_shard, stage, timeout=60) == [True, True]

@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from . import data_parallel, ds_checkpoint, grad_norm, materialize
+from . import comm, data_parallel, ds_checkpoint, grad_norm, materialize
 from .ds_config import ConfigGetters, build_optimizer, load_config
 from .lr_schedules import build_scheduler
 from .fully_sharded import FullyShardedDataParallel
@@ -272,7 +272,13 @@ class Engine(ConfigGetters, nn.Module):
     def _check_backward(self) -> None:
         """Refuse gradients from ``loss.backward()`` alone where ``engine.backward`` does more (DeepSpeed raises at stage 0)."""
         needed = self.stage == 0 or self.gradient_accumulation_steps() > 1 or self.loss_scaler is not None
-        if self._backwards or not needed or not any(p.grad is not None for p in self.module.parameters()):
+        if self._backwards or not needed:
+            return
+        # Decided together: at stages 2/3 a rank whose shard holds only frozen elements sees no gradient.
+        got = torch.tensor([any(p.grad is not None for p in self.module.parameters())], dtype=torch.int32, device=self.device)
+        if self.world_size > 1:
+            comm.all_reduce(got, dist.group.WORLD, op=dist.ReduceOp.MAX, what="step (gradients without engine.backward?)")
+        if not got.item():
             return
         does = ("all-reduces them at stage 0" if self.stage == 0 else "scales the fp16 loss" if self.loss_scaler
                 is not None else "divides the loss by gradient_accumulation_steps")
