@@ -155,12 +155,24 @@ class OrigParams:
         gradient instead of after it. torch FSDP1 reduces synchronously and
         re-points the grads at the accumulated shard at this point; here they
         are None until the end of backward, and what autograd gives them
-        meanwhile is added in after the reduction (:meth:`absorb_outside_grads`)."""
+        meanwhile is added in after the reduction (:meth:`absorb_outside_grads`).
+        What autograd gave them before this point, outside the unit's own
+        backward (a parent module reading this unit's parameter, a penalty built
+        after the forward), is put aside for that too on a sharded unit, as
+        torch adds it; on an unsharded one (NO_SHARD) it joins the gradient
+        about to be all-reduced, as DDP averages it: added unreduced, a
+        data-dependent term would make the replicas differ for good. (Reached
+        before the pre-backward gather, writeback put it in already.)"""
         if self._grads_at_backward is None:
             return
+        g = self.flat_param.grad
         for i, p in enumerate(self.orig_params):
             if self._is_outside(i, p.grad):
-                self._outside[i] = p.grad
+                if self.sharded or g is None:
+                    self._outside[i] = p.grad
+                else:  # unsharded: into the gradient about to be all-reduced
+                    info = self.layout.params[i]
+                    g[info.offset : info.offset + info.numel].add_(info.flat_of(p.grad.detach()))
             p.grad = None
 
     def absorb_outside_grads(self):
@@ -214,6 +226,7 @@ class OrigParams:
         if not self.use_orig_params or not self.orig_exposed:
             return
         flat_grad = self.flat_param.grad
+        had_grad = flat_grad is not None  # one created below for another parameter says nothing of a None .grad
         for i, info in enumerate(self.layout.params):
             own = self._own_range(i)
             if own is None:
@@ -232,7 +245,7 @@ class OrigParams:
             elif not _same_storage(p, self.local_shard):
                 self._write_slice(p, self.local_shard, offset, numel, info, "parameter")
             if p.grad is None:
-                if flat_grad is not None:
+                if had_grad:
                     flat_grad[offset : offset + numel].zero_()
                     self.grad_none.add(i)
             elif flat_grad is None or not _same_storage(p.grad, flat_grad):
