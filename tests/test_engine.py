@@ -243,6 +243,9 @@ def _zero1_group_added_around_it(rank, world_size):
         z.reduce_gradients()
     with pytest.raises(ValueError, match="already in a param group"):
         z.add_param_group({"params": z.parts[0].params[:1]})
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)  # unfrozen later, it would never train
+    with pytest.warns(UserWarning, match="left out"):
+        z.add_param_group({"params": [frozen, torch.nn.Parameter(torch.ones(3))]})
     return True
 
 

@@ -42,6 +42,8 @@ optimizer states into full flat tensors, so they reload at any world size.
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -122,6 +124,10 @@ class ZeroOneOptimizer:
             raise ValueError("zeroshard: ZeRO-1 add_param_group: some parameters are already in a param group. "
                              "Fix: add only parameters the optimizer does not hold yet.")
         trainable = [p for p in params if p.requires_grad]
+        if len(trainable) < len(params):
+            warnings.warn(f"zeroshard: ZeRO-1 add_param_group: {len(params) - len(trainable)} of the group's parameters "
+                          "do not require grad and are left out (as at construction): unfrozen later, they will not "
+                          "train. Fix: call requires_grad_(True) before add_param_group.", stacklevel=2)
         part = _Partition(trainable, self.world, self.rank, self.master_device) if trainable else None
         self._add_to_inner({**group, "params": [part.master] if part is not None else []})
         self.partitions.append(part)
