@@ -350,13 +350,13 @@ def post_backward(state, flat_param, through_graph=False):
     validation.note_unreduced(handle, (handle.sharded or handle.world_size > 1) and not state._sync_gradients)
     if not state._sync_gradients:
         if handle.use_orig_params:
+            handle.fold_outside_grads()
             handle.use_unsharded_grad_views()
         return
     if handle.use_orig_params:
         handle.gradients_computed()
         handle.detach_grad_views()
-    rt = state._runtime
-    rt.pending += reduce.start_reduction(handle, rt.bucketer)
+    state._runtime.pending += reduce.start_reduction(handle, state._runtime.bucketer)
 
 
 @torch.no_grad()

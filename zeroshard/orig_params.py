@@ -165,15 +165,27 @@ class OrigParams:
         before the pre-backward gather, writeback put it in already.)"""
         if self._grads_at_backward is None:
             return
-        g = self.flat_param.grad
+        if not self.sharded:
+            self.fold_outside_grads()
         for i, p in enumerate(self.orig_params):
             if self._is_outside(i, p.grad):
-                if self.sharded or g is None:
-                    self._outside[i] = p.grad
-                else:  # unsharded: into the gradient about to be all-reduced
-                    info = self.layout.params[i]
-                    g[info.offset : info.offset + info.numel].add_(info.flat_of(p.grad.detach()))
+                self._outside[i] = p.grad
             p.grad = None
+
+    def fold_outside_grads(self):
+        """Add what autograd gave the original parameters outside the unit's own
+        backward into the unsharded flat gradient, not yet reduced: under
+        NO_SHARD at the post-backward (see :meth:`detach_grad_views`), and in
+        any unit at a ``no_sync`` post-backward, whose re-pointed grad views
+        would otherwise overwrite it (torch FSDP1 loses it there)."""
+        g = self.flat_param.grad
+        if self._grads_at_backward is None or g is None or g.numel() != self.layout.numel:
+            return
+        for i, p in enumerate(self.orig_params):
+            if self._is_outside(i, p.grad):
+                info = self.layout.params[i]
+                g[info.offset : info.offset + info.numel].add_(info.flat_of(p.grad.detach()))
+                self._grads_at_backward[i] = p.grad  # counted: not to be added again
 
     def absorb_outside_grads(self):
         """A loss term on the original parameters themselves, outside forward
