@@ -48,7 +48,7 @@ class RootRuntime:
     reductions in flight."""
 
     def __init__(self, states):
-        self.states = states  # FSDP instances, root first (module DFS order)
+        self._states = [weakref.ref(s) for s in states]  # root first; weakly: a cycle would outlive `del model`
         self.handles = [s._handle for s in states if s._handle is not None]
         self.pre_forward_order: list = []  # from the first iteration
         self.post_forward_order: list = []  # this iteration
@@ -60,6 +60,8 @@ class RootRuntime:
         self.graph_backward = False  # the running backward has create_graph=True
         cap = states[0].bucket_cap_mb  # the root's setting holds for the whole model
         self.bucketer = Bucketer(cap) if cap is not None else None
+
+    states = property(lambda self: [s for s in (r() for r in self._states) if s is not None])
 
 
 # ----------------------------------------------------------------- unshard
