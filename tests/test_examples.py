@@ -41,7 +41,10 @@ def run(args, timeout=240):
 
 
 def test_mnist_digits_reaches_stated_accuracy():
-    rc, out = run(["-m", "zeroshard.examples.mnist_digits", "--small"])
+    args = ["-m", "zeroshard.examples.mnist_digits", "--small"]
+    rc, out = run(args)
+    if _teardown_abort(rc, out, "(same as the sharded model)"):  # seen once with spawned ranks, before dropped models
+        rc, out = run(args)  # were freed at once; torch's teardown, not the example: a rerun must pass cleanly
     assert rc == 0, out
     # size_based_auto_wrap_policy(min_num_params=100) made each layer a unit
     assert all(f"{u}._flat_param" in out for u in ("conv1", "conv2", "fc1", "fc2")), out
@@ -72,16 +75,16 @@ def test_ddp_template_spawned():
     _check_ddp_template(out)
 
 
-def _teardown_abort(rc, out):
+def _teardown_abort(rc, out, finished=None):
     """A rank aborted by gloo at interpreter exit, after every result was printed.
 
-    Seen about 1 run in 10-40 under torchrun on a loaded 2-core machine, never
-    with spawned ranks: "terminate called without an active exception" from a
-    rank whose work had all finished. torch's DDP keeps its process group alive
+    Seen about 1 run in 10-40 under torchrun on a loaded 2-core machine, and
+    once with spawned ranks (MNIST): "terminate called without an active
+    exception" from a rank whose work had all finished (``finished`` printed). torch's DDP keeps its process group alive
     after destroy_process_group (its C++ side holds it), so gloo's threads meet
     interpreter shutdown (cf. pytorch/pytorch#179291, #65513)."""
-    return rc != 0 and "terminate called without an active exception" in out and \
-        out.count("bit-identical") == 2 and "outputs equal on every rank" in out
+    done = finished in out if finished else out.count("bit-identical") == 2 and "outputs equal on every rank" in out
+    return rc != 0 and "terminate called without an active exception" in out and done
 
 
 def test_ddp_template_under_torchrun():
