@@ -272,10 +272,12 @@ class Engine(ConfigGetters, nn.Module):
     def _check_backward(self) -> None:
         """Refuse gradients from ``loss.backward()`` alone where ``engine.backward`` does more (DeepSpeed raises at stage 0)."""
         needed = self.stage == 0 or self.gradient_accumulation_steps() > 1 or self.loss_scaler is not None
-        if self._backwards or not needed:
+        if not needed:
             return
-        # Decided together: at stages 2/3 a rank whose shard holds only frozen elements sees no gradient.
-        got = torch.tensor([any(p.grad is not None for p in self.module.parameters())], dtype=torch.int32, device=self.device)
+        # Decided by every rank together, at every boundary (a rank may have had no batch): at stages 2/3 a
+        # rank whose shard holds only frozen elements sees no gradient where the others do.
+        direct = not self._backwards and any(p.grad is not None for p in self.module.parameters())
+        got = torch.tensor([direct], dtype=torch.int32, device=self.device)
         if self.world_size > 1:
             comm.all_reduce(got, dist.group.WORLD, op=dist.ReduceOp.MAX, what="step (gradients without engine.backward?)")
         if not got.item():
@@ -316,7 +318,7 @@ class Engine(ConfigGetters, nn.Module):
                 self.zero1.step()
             if self.lr_scheduler is not None:
                 self.lr_scheduler.step(**(lr_kwargs or {}))
-        self.zero_grad()
+        self._zero_grad()
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
 
@@ -331,6 +333,13 @@ class Engine(ConfigGetters, nn.Module):
         return torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm)
 
     def zero_grad(self) -> None:
+        """DeepSpeed's: clears the parameters' gradients; at stages 2/3 the sharded gradients accumulated
+        since the last step stay (they are DeepSpeed's partitioned accumulation, not the parameters')."""
+        if self.stage >= 2 and self._backwards:
+            return
+        self._zero_grad()
+
+    def _zero_grad(self) -> None:
         if self.zero1 is not None:
             self.zero1.zero_grad()
         elif self.optimizer is not None:
