@@ -249,6 +249,31 @@ def _zero1_group_added_around_it(rank, world_size):
     return True
 
 
+def _zero1_unfrozen_later(rank, world_size):
+    import warnings as w
+
+    from zeroshard.zero1 import ZeroOneOptimizer
+
+    lin = torch.nn.Linear(3, 3)
+    lin.bias.requires_grad_(False)
+    z = ZeroOneOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1))
+    lin(torch.ones(2, 3)).sum().backward()
+    with w.catch_warnings():
+        w.simplefilter("error")
+        z.reduce_gradients()  # nothing unfrozen yet: no warning
+    lin.bias.requires_grad_(True)
+    lin(torch.ones(2, 3)).sum().backward()
+    with pytest.warns(UserWarning, match="not trained"):
+        z.reduce_gradients()
+    return True
+
+
+def test_zero1_warns_about_parameters_unfrozen_after_it_took_the_optimizer(ranks):
+    """Frozen when ZeRO-1 partitioned the optimizer, unfrozen later: they got gradients but were
+    silently never stepped (as in DeepSpeed); a warning now names the fix."""
+    assert ranks.run(2, _zero1_unfrozen_later) == [True, True]
+
+
 def test_zero1_refuses_a_group_it_did_not_partition(ranks):
     assert ranks.run(2, _zero1_group_added_around_it) == [True, True]
 

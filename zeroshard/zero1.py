@@ -100,8 +100,10 @@ class ZeroOneOptimizer:
         # Whether this rank / any rank had a gradient at the last reduce (see clip_grad_norm_).
         self.had_grads = self.any_grads = True
         self.partitions: list[_Partition | None] = []
+        self._left_out: list[nn.Parameter] = []  # frozen when given: never stepped (warned if they get a .grad)
         for group in optimizer.param_groups:
             params = [p for p in group["params"] if p.requires_grad]
+            self._left_out += [p for p in group["params"] if not p.requires_grad]
             if not params:
                 self.partitions.append(None)
                 group["params"] = []
@@ -124,6 +126,7 @@ class ZeroOneOptimizer:
             raise ValueError("zeroshard: ZeRO-1 add_param_group: some parameters are already in a param group. "
                              "Fix: add only parameters the optimizer does not hold yet.")
         trainable = [p for p in params if p.requires_grad]
+        self._left_out += [p for p in params if not p.requires_grad]
         if len(trainable) < len(params):
             warnings.warn(f"zeroshard: ZeRO-1 add_param_group: {len(params) - len(trainable)} of the group's parameters "
                           "do not require grad and are left out (as at construction): unfrozen later, they will not "
@@ -152,6 +155,13 @@ class ZeroOneOptimizer:
         A parameter without ``.grad`` contributes zeros: its elements are still
         stepped with the chunk (as in DeepSpeed; DDP would skip the parameter)."""
         self._check_groups()
+        unfrozen = [p for p in self._left_out if p.grad is not None]
+        if unfrozen:
+            warnings.warn(f"zeroshard: ZeRO-1: {len(unfrozen)} parameter(s) frozen when given to the optimizer now have "
+                          "gradients (unfrozen since); they are not in any partition and are not trained (DeepSpeed "
+                          "skips them too). Fix: pass them with optimizer.add_param_group(...) after unfreezing.",
+                          stacklevel=3)
+            self._left_out = [p for p in self._left_out if p.grad is None]  # warned once for these
         pending = []
         self.had_grads = any(p.grad is not None for p in self.model_params())
         for part in self.parts:
