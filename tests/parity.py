@@ -280,3 +280,14 @@ def assert_same_value(a, b, where):
         assert torch.is_tensor(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b), where
     else:
         assert a == b, where
+
+
+def same_on_every_rank(tensors) -> bool:
+    """Whether ``tensors`` (a rank's parameters or gradients) are bit-identical on every rank of the world:
+    replicas that must not drift apart (collective)."""
+    import torch.distributed as dist
+
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    everyone = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, flat)
+    return all(torch.equal(everyone[0], t) for t in everyone)

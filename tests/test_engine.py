@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zeroshard as zs
 from models import Block, batch, build
+from parity import same_on_every_rank
 from zeroshard import ds_checkpoint
 from zeroshard.lr_schedules import WarmupLR
 from zeroshard.engine import initialize
@@ -218,11 +219,8 @@ def _zero1_group_added_later(rank, world_size):
         z.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
-    flat = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])
-    everyone = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(everyone, flat)
     diff = max((a - b).abs().max().item() for a, b in zip(ours.parameters(), ref.parameters()))
-    return all(torch.equal(everyone[0], t) for t in everyone), diff
+    return same_on_every_rank(ours.parameters()), diff
 
 
 def test_zero1_param_group_added_later_is_partitioned(ranks):
@@ -987,10 +985,7 @@ def _rank_without_a_batch(rank, world_size, stage):
             if not (rank == 1 and step == 1):  # rank 1 has no batch for one whole window
                 engine.backward(engine(batch("mlp", rank, 2 * step + micro)).float().pow(2).mean())
             engine.step()
-    flat = torch.cat([p.detach().reshape(-1) for p in engine.module.parameters()])
-    everyone = [torch.empty_like(flat) for _ in range(world_size)]
-    torch.distributed.all_gather(everyone, flat)
-    return engine.global_steps == 3 and all(torch.equal(everyone[0], t) for t in everyone)
+    return engine.global_steps == 3 and same_on_every_rank(engine.module.parameters())
 
 
 @pytest.mark.parametrize("stage", [1])

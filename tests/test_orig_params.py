@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from models import batch
-from parity import wrapped_with_adamw as _engines
+from parity import same_on_every_rank, wrapped_with_adamw as _engines
 
 
 def _assign_grads(model, opt):
@@ -346,9 +346,7 @@ def _parent_reads_child_weight(rank, world_size, use_orig_params):
         info = h.layout.params[2]  # fc1.weight, fc1.bias, fc2.weight, ...
         assert info.name == "weight" and info.module is m.child.module.fc2
         full = info.unflat(h.flat_param.grad[info.offset : info.offset + info.numel])
-    everyone = [torch.empty_like(full) for _ in range(world_size)]
-    dist.all_gather(everyone, full)
-    assert all(torch.equal(everyone[0], t) for t in everyone), "replicas got different gradients"
+    assert same_on_every_rank([full]), "replicas got different gradients"
     return (full - want).abs().max().item()
 
 
@@ -396,11 +394,8 @@ def _parent_reads_child_weight_steps(rank, world_size, mode):
         for o in opts:
             o.step()
             o.zero_grad()
-    flat = torch.cat([p.detach().reshape(-1) for p in m.parameters()])
-    everyone = [torch.empty_like(flat) for _ in range(world_size)]
-    dist.all_gather(everyone, flat)
     diff = max((a - b).abs().max().item() for a, b in zip(plain.parameters(), m.parameters()))
-    return all(torch.equal(everyone[0], t) for t in everyone), diff
+    return same_on_every_rank(m.parameters()), diff
 
 
 @pytest.mark.parametrize("mode", ["bf16", "no_sync", "bf16_no_sync"])
