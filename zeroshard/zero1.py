@@ -102,15 +102,7 @@ class ZeroOneOptimizer:
         self.partitions: list[_Partition | None] = []
         self._left_out: list[nn.Parameter] = []  # frozen when given: never stepped (warned if they get a .grad)
         for group in optimizer.param_groups:
-            params = [p for p in group["params"] if p.requires_grad]
-            self._left_out += [p for p in group["params"] if not p.requires_grad]
-            if not params:
-                self.partitions.append(None)
-                group["params"] = []
-                continue
-            part = _Partition(params, self.world, self.rank, master_device)
-            self.partitions.append(part)
-            group["params"] = [part.master]
+            group["params"] = self._partition(group["params"])
         # A group added later (``optimizer.add_param_group``, e.g. layers unfrozen mid-run, as torch's
         # ZeroRedundancyOptimizer allows) is partitioned too: added plainly, it would step each rank's
         # own unreduced gradients and the replicas would drift apart.
@@ -125,15 +117,24 @@ class ZeroOneOptimizer:
         if any(id(p) in held for p in params):
             raise ValueError("zeroshard: ZeRO-1 add_param_group: some parameters are already in a param group. "
                              "Fix: add only parameters the optimizer does not hold yet.")
+        if any(not p.requires_grad for p in params):
+            warnings.warn(f"zeroshard: ZeRO-1 add_param_group: {sum(not p.requires_grad for p in params)} of the group's "
+                          "parameters do not require grad and are left out (as at construction): unfrozen later, they "
+                          "will not train. Fix: call requires_grad_(True) before add_param_group.", stacklevel=2)
+        masters = self._partition(params)
+        try:
+            self._add_to_inner({**group, "params": masters})
+        except BaseException:  # refused by torch: no partition without its group
+            self.partitions.pop()
+            raise
+
+    def _partition(self, params) -> list:
+        """One group's partition (None without trainable parameters): the group's new ``params``."""
         trainable = [p for p in params if p.requires_grad]
         self._left_out += [p for p in params if not p.requires_grad]
-        if len(trainable) < len(params):
-            warnings.warn(f"zeroshard: ZeRO-1 add_param_group: {len(params) - len(trainable)} of the group's parameters "
-                          "do not require grad and are left out (as at construction): unfrozen later, they will not "
-                          "train. Fix: call requires_grad_(True) before add_param_group.", stacklevel=2)
         part = _Partition(trainable, self.world, self.rank, self.master_device) if trainable else None
-        self._add_to_inner({**group, "params": [part.master] if part is not None else []})
         self.partitions.append(part)
+        return [part.master] if part is not None else []
 
     def _check_groups(self) -> None:
         if len(self.optimizer.param_groups) != len(self.partitions):
