@@ -57,18 +57,11 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from . import comm, data_parallel, ds_checkpoint, grad_norm, materialize
+from . import comm, data_parallel, ds_checkpoint, ds_stages, grad_norm, materialize
 from .ds_config import ConfigGetters, build_optimizer, load_config
 from .lr_schedules import build_scheduler
-from .fully_sharded import FullyShardedDataParallel
 from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
-from .options import CPUOffload, MixedPrecision, ShardingStrategy
-from .quantize import Int8BlockQuant
 from .zero1 import ZeroOneOptimizer
-
-_STRATEGIES = {3: (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD),
-               2: (ShardingStrategy.SHARD_GRAD_OP, ShardingStrategy._HYBRID_SHARD_ZERO2)}
-
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None, fsdp_kwargs=None):
@@ -105,10 +98,10 @@ class Engine(ConfigGetters, nn.Module):
                  training_data=None, collate_fn=None, fsdp_kwargs=None, args=None):
         super().__init__()
         self.world_size, self.global_rank = dist.get_world_size(), dist.get_rank()
-        self.local_rank = _local_rank(args, self.global_rank)
+        self.local_rank = ds_stages.local_rank(args, self.global_rank)
         self.config = cfg = load_config(config, self.world_size)
         self.stage, dtype = cfg.zero.stage, cfg.low_precision_dtype
-        self.device = _device(model, self.local_rank)
+        self.device = ds_stages.device_for(model, self.local_rank)
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self._global_grad_norm = None
         self._step_applied, self._boundary = False, None  # the last boundary's step taken; a set boundary
@@ -127,7 +120,7 @@ class Engine(ConfigGetters, nn.Module):
                              "Fix: drop fsdp_kwargs or set zero_optimization.stage to 2 or 3.")
         # Every stage keeps the original parameter objects, so the optimizer is
         # built over them before wrapping.
-        groups = _param_groups(model, model_parameters)
+        groups = ds_stages.param_groups(model, model_parameters)
         if dtype is not None:  # DeepSpeed casts the model before its fp32 master copies it, so the master
             with torch.no_grad():  # starts from the fp16/bf16 values: so does ours, and stage 2/3's fp32 shards
                 for p in model.parameters():
@@ -143,7 +136,7 @@ class Engine(ConfigGetters, nn.Module):
         else:
             opt = build_optimizer(cfg.optimizer, groups) if cfg.optimizer is not None else None
         if self.stage >= 2:
-            wrapped = self._wrap_fsdp(model, dtype, dict(fsdp_kwargs or {}))
+            wrapped = ds_stages.wrap_fsdp(model, self.stage, cfg.zero, dtype, self.device, dict(fsdp_kwargs or {}))
         else:
             if opt is not None and (self.stage == 1 or dtype is not None):
                 master_device = torch.device("cpu") if cfg.zero.offload_optimizer else None
@@ -172,39 +165,6 @@ class Engine(ConfigGetters, nn.Module):
             sampler = torch.utils.data.DistributedSampler(training_data, self.world_size, self.global_rank)
             self.training_dataloader = torch.utils.data.DataLoader(
                 training_data, batch_size=cfg.train_micro_batch_size_per_gpu, sampler=sampler, collate_fn=collate_fn)
-
-    def _wrap_fsdp(self, model, dtype, kw: dict) -> FullyShardedDataParallel:
-        allowed = _STRATEGIES[self.stage]
-        strategy = kw.pop("sharding_strategy", None) or allowed[0]
-        if strategy not in allowed:
-            raise ValueError(f"zeroshard.initialize: fsdp_kwargs sharding_strategy={strategy} does not implement ZeRO "
-                             f"stage {self.stage}. Fix: use {' or '.join(s.name for s in allowed)}, or drop it.")
-        if kw.get("use_orig_params", True) is not True:
-            raise ValueError("zeroshard.initialize: fsdp_kwargs use_orig_params=False: the engine's optimizer steps the "
-                             "original parameters. Fix: use_orig_params=True (fsdp_use_orig_params: true).")
-        kw["use_orig_params"] = True
-        if dtype is not None:
-            mp = kw.get("mixed_precision")
-            if mp is not None and mp.param_dtype not in (None, dtype):
-                raise ValueError(f"zeroshard.initialize: fsdp_kwargs mixed_precision param_dtype={mp.param_dtype} "
-                                 f"contradicts the config's {dtype}. Fix: drop one of them.")
-            kw["mixed_precision"] = mp or MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
-        if self.config.zero.offload_param or self.config.zero.offload_optimizer:
-            kw["cpu_offload"] = CPUOffload(offload_params=True)  # shards, grads and optimizer states stay on CPU
-        kw.setdefault("sync_module_states", True)
-        mapped = self.config.zero.mapped  # DeepSpeed's bucket and persistence knobs
-        if "reduce_bucket_size" in mapped:
-            elem = torch.finfo(dtype).bits // 8 if dtype is not None else 4
-            kw.setdefault("bucket_cap_mb", mapped["reduce_bucket_size"] * elem / 2**20)
-        if self.stage == 3 and "stage3_param_persistence_threshold" in mapped:
-            kw.setdefault("param_persistence_threshold", int(mapped["stage3_param_persistence_threshold"]))
-        if self.stage == 3 and mapped.get("zero_quantized_weights"):  # ZeRO++ qwZ
-            kw.setdefault("quantized_all_gather", Int8BlockQuant())
-        if self.stage == 3 and mapped.get("zero_hpz_partition_size", 1) > 1:  # ZeRO++ hpZ
-            kw.setdefault("hpz_group_size", mapped["zero_hpz_partition_size"])
-        if self.device.type != "cpu":
-            kw.setdefault("device_id", self.device)
-        return FullyShardedDataParallel(model, sharding_strategy=strategy, **kw)
 
     # -------------------------------------------------------------- the loop
     @property
@@ -392,31 +352,3 @@ class Engine(ConfigGetters, nn.Module):
         """Returns ``(load_path, client_state)``, or ``(None, None)`` with a warning if there is no checkpoint."""
         return ds_checkpoint.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                   load_lr_scheduler_states, load_module_only)
-
-
-def _local_rank(args, global_rank: int) -> int:
-    if "LOCAL_RANK" in os.environ:
-        return int(os.environ["LOCAL_RANK"])
-    local = getattr(args, "local_rank", None)
-    return int(local) if local is not None and local >= 0 else global_rank  # no launcher said: one machine
-
-
-def _device(model: nn.Module, local_rank: int) -> torch.device:
-    if dist.get_backend() == "nccl":
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    p = next(iter(model.parameters()), None)
-    return p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
-
-
-def _param_groups(model: nn.Module, model_parameters) -> list:
-    if model_parameters is None:
-        return [p for p in model.parameters() if p.requires_grad]
-    groups = [{**g, "params": list(g["params"])} if isinstance(g, dict) else g for g in model_parameters]
-    owned = {id(p) for p in model.parameters()}
-    for g in groups:
-        for p in (g["params"] if isinstance(g, dict) else [g]):
-            if id(p) not in owned:
-                raise ValueError("zeroshard.initialize: model_parameters holds a tensor that is not a parameter of model. "
-                                 "Fix: pass model.parameters() or param groups built from it.")
-    return groups
