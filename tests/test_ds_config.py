@@ -284,8 +284,9 @@ S, P = zs.ShardingStrategy, zs.BackwardPrefetch
     ("fsdp_backward_prefetch", "NO_PREFETCH", "backward_prefetch", None),
     ("fsdp_backward_prefetch_policy", 2, "backward_prefetch", P.BACKWARD_POST),
     ("fsdp_forward_prefetch", True, "forward_prefetch", True),
-    ("fsdp_use_orig_params", "true", "use_orig_params", True),
-    ("fsdp_sync_module_states", False, "sync_module_states", False),
+    ("fsdp_use_orig_params", "false", "use_orig_params", False),
+    ("fsdp_backward_prefetch", None, "backward_prefetch", None),  # YAML null: left out
+    ("mixed_precision", "BF16", "mixed_precision", zs.MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)),
     ("fsdp_offload_params", True, "cpu_offload", zs.CPUOffload(offload_params=True)),
     ("mixed_precision", "bf16", "mixed_precision", zs.MixedPrecision(torch.bfloat16, torch.bfloat16, torch.bfloat16)),
     ("mixed_precision", "fp16", "mixed_precision", zs.MixedPrecision(torch.float16, torch.float16, torch.float16)),
@@ -296,17 +297,34 @@ def test_accelerate_field_maps_to_keyword(field, value, key, expected):
 
 
 def test_accelerate_defaults_and_non_constructor_settings():
+    # A field left out takes `accelerate launch`'s default (its --fsdp_use_orig_params and
+    # --fsdp_cpu_ram_efficient_loading default to "true"), since the input is the launcher's YAML.
     kw = from_accelerate_config({})
     assert kw == {"sharding_strategy": S.FULL_SHARD, "backward_prefetch": None, "forward_prefetch": False,
-                  "auto_wrap_policy": None, "use_orig_params": False, "sync_module_states": True,
+                  "auto_wrap_policy": None, "use_orig_params": True, "sync_module_states": True,
                   "cpu_offload": zs.CPUOffload(offload_params=False)}
-    assert kw.state_dict_type == zs.StateDictType.FULL_STATE_DICT and not kw.cpu_ram_efficient_loading
-    kw = from_accelerate_config({"fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": True})
-    assert kw.state_dict_type == zs.StateDictType.SHARDED_STATE_DICT and kw.cpu_ram_efficient_loading
+    assert kw.state_dict_type == zs.StateDictType.FULL_STATE_DICT and kw.cpu_ram_efficient_loading
+    kw = from_accelerate_config({"fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_cpu_ram_efficient_loading": False,
+                                 "fsdp_sync_module_states": False})
+    assert kw.state_dict_type == zs.StateDictType.SHARDED_STATE_DICT and not kw.cpu_ram_efficient_loading
+    assert kw["sync_module_states"] is False
     assert from_accelerate_config({"fsdp_state_dict_type": 2}).state_dict_type == zs.StateDictType.LOCAL_STATE_DICT
     with pytest.warns(UserWarning, match="setting sync_module_states=True"):
-        kw = from_accelerate_config({"fsdp_cpu_ram_efficient_loading": True, "fsdp_sync_module_states": False})
+        kw = from_accelerate_config({"fsdp_sync_module_states": False})  # cpu_ram_efficient_loading's default needs it
     assert kw["sync_module_states"] is True
+
+
+def test_accelerate_keys_without_the_fsdp_prefix_are_read_as_accelerate_launch_reads_them():
+    # `accelerate launch` adds "fsdp_" to an fsdp_config key without "fsdp" in it.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kw = from_accelerate_config({"distributed_type": "FSDP", "fsdp_config": {
+            "sharding_strategy": "SHARD_GRAD_OP", "offload_params": True, "use_orig_params": False,
+            "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 7}})
+    assert kw["sharding_strategy"] == S.SHARD_GRAD_OP and kw["cpu_offload"].offload_params and not kw["use_orig_params"]
+    assert kw["auto_wrap_policy"].keywords == {"min_num_params": 7}
+    with pytest.raises(ValueError, match="both sharding_strategy and fsdp_sharding_strategy are given"):
+        from_accelerate_config({"fsdp_sharding_strategy": 1, "sharding_strategy": 1})
 
 
 def test_accelerate_wrap_policies_resolve_against_the_model():
@@ -337,6 +355,14 @@ def test_accelerate_wrap_policies_resolve_against_the_model():
     ({"fsdp_version": 2}, False, r"fsdp_version = 2.*FSDP2 is not supported"),
     ({"fsdp_activation_checkpointing": True}, False, r"activation checkpointing is not implemented"),
     ({"distributed_type": "DEEPSPEED", "fsdp_config": {}}, False, r"distributed_type = 'DEEPSPEED'"),
+    ({"distributed_type": "MULTI_GPU", "mixed_precision": "bf16"}, False, r"distributed_type = 'MULTI_GPU'"),
+    ({"fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP", "fsdp_transformer_layer_cls_to_wrap": ""}, True,
+     r"fsdp_transformer_layer_cls_to_wrap = '' is not valid.*or leave the field out"),
+    ({"fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_reshard_after_forward": True}, False,
+     r"fsdp_sharding_strategy = 'SHARD_GRAD_OP' and fsdp_reshard_after_forward = True say different things"),
+    ({"fsdp_backward_prefetch": "BACKWARD_PRE", "fsdp_backward_prefetch_policy": "BACKWARD_POST"}, False,
+     r"say different things. Fix: keep only fsdp_backward_prefetch"),
+    ({"fsdp_ignored_modules": "vision_tower"}, False, r"fsdp_ignored_modules.*pass ignored_modules="),
     (["FULL_SHARD"], False, r"expected a mapping, got list"),
 ])
 def test_accelerate_errors_name_field_value_and_fix(cfg, model, match):

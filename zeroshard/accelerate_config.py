@@ -26,12 +26,19 @@ or a path to a YAML (needs PyYAML) or JSON file.
 | fsdp_state_dict_type | FULL_STATE_DICT, LOCAL_STATE_DICT, SHARDED_STATE_DICT (or 1-based int) | ``kw.state_dict_type`` (not a constructor keyword) |
 | mixed_precision (top level or in fsdp_config) | bf16, fp16, no | mixed_precision=MixedPrecision(d, d, d), as Accelerate |
 
-A field left out takes Accelerate's plugin default: FULL_SHARD, no prefetch,
-no forward prefetch, NO_WRAP, use_orig_params false, sync_module_states true,
-no offload, FULL_STATE_DICT, no mixed precision. ``fsdp_version: 2`` and
-``fsdp_activation_checkpointing: true`` are refused (not implemented); other
-unknown fields draw one warning listing them; bad values raise ``ValueError``
-naming the field, the value and the fix.
+Keys are read as ``accelerate launch`` reads them: one without ``fsdp`` in its
+name gets the ``fsdp_`` prefix (``sharding_strategy`` is ``fsdp_sharding_strategy``),
+a ``null`` value counts as left out, and ``mixed_precision`` is read in any case.
+A field left out takes ``accelerate launch``'s default: FULL_SHARD, no prefetch,
+no forward prefetch, NO_WRAP (SIZE_BASED_WRAP: 1e8 parameters), use_orig_params
+true, sync_module_states true, cpu_ram_efficient_loading true, no offload,
+FULL_STATE_DICT, no mixed precision. ``fsdp_version: 2``,
+``fsdp_activation_checkpointing: true`` and ``fsdp_ignored_modules`` are refused
+(pass ``ignored_modules=`` to the constructor yourself), as are two keys that say
+different things (``fsdp_sharding_strategy`` / ``fsdp_reshard_after_forward``,
+``fsdp_backward_prefetch`` / ``fsdp_backward_prefetch_policy``) and a config whose
+``distributed_type`` is not FSDP; other unknown fields draw one warning listing
+them; bad values raise ``ValueError`` naming the field, the value and the fix.
 """
 from __future__ import annotations
 
@@ -53,14 +60,15 @@ WRAP_POLICIES = ["TRANSFORMER_BASED_WRAP", "SIZE_BASED_WRAP", "NO_WRAP"]
 KNOWN = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_backward_prefetch", "fsdp_backward_prefetch_policy",
          "fsdp_forward_prefetch", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
          "fsdp_use_orig_params", "fsdp_sync_module_states", "fsdp_cpu_ram_efficient_loading", "fsdp_offload_params",
-         "fsdp_state_dict_type", "mixed_precision", "fsdp_version", "fsdp_activation_checkpointing"}
+         "fsdp_state_dict_type", "mixed_precision", "fsdp_version", "fsdp_activation_checkpointing",
+         "fsdp_ignored_modules"}
 
 
 class FSDPKwargs(dict):
     """Keyword arguments for FullyShardedDataParallel, plus the two settings that are not constructor keywords."""
 
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
-    cpu_ram_efficient_loading: bool = False
+    cpu_ram_efficient_loading: bool = True
 
 
 def _bad(key, value, expected: str) -> ValueError:
@@ -114,13 +122,14 @@ def from_accelerate_config(config, model: nn.Module | None = None) -> FSDPKwargs
     if not isinstance(config, dict):
         raise ValueError(f"zeroshard accelerate config: expected a mapping, got {type(config).__name__}. "
                          "Fix: pass the fsdp_config dict, a whole accelerate config dict, or a YAML/JSON path.")
-    fsdp = config
-    if "fsdp_config" in config:  # a whole accelerate config file
+    if "fsdp_config" not in config and "distributed_type" not in config:
+        fsdp = _prefixed(config)
+    else:  # a whole accelerate config file
         kind = config.get("distributed_type", "FSDP")
         if str(kind).upper() != "FSDP":
             raise _bad("distributed_type", kind, '"FSDP" (this config is for another backend)')
-        fsdp = dict(config["fsdp_config"] or {})
-        if "mixed_precision" in config:
+        fsdp = _prefixed(config.get("fsdp_config") or {})
+        if config.get("mixed_precision") is not None:
             fsdp.setdefault("mixed_precision", config["mixed_precision"])
     unknown = sorted(k for k in fsdp if k not in KNOWN)
     if unknown:
@@ -130,23 +139,26 @@ def from_accelerate_config(config, model: nn.Module | None = None) -> FSDPKwargs
     if _bool("fsdp_activation_checkpointing", fsdp.get("fsdp_activation_checkpointing", False)):
         raise _bad("fsdp_activation_checkpointing", fsdp["fsdp_activation_checkpointing"],
                    "false (activation checkpointing is not implemented; apply torch.utils.checkpoint in the model)")
+    if "fsdp_ignored_modules" in fsdp:
+        raise _bad("fsdp_ignored_modules", fsdp["fsdp_ignored_modules"], "no such field here: pass ignored_modules=[...] "
+                   "to FullyShardedDataParallel yourself (left out, those modules would be sharded and averaged)")
     kw = FSDPKwargs()
     kw["sharding_strategy"] = _strategy(fsdp)
-    prefetch_key = "fsdp_backward_prefetch" if "fsdp_backward_prefetch" in fsdp else "fsdp_backward_prefetch_policy"
-    prefetch = _choice(prefetch_key, fsdp.get(prefetch_key, "NO_PREFETCH"), PREFETCH)
+    prefetch = _one_of(fsdp, "fsdp_backward_prefetch", "fsdp_backward_prefetch_policy", "NO_PREFETCH",
+                       lambda key, value: _choice(key, value, PREFETCH))
     kw["backward_prefetch"] = None if prefetch == "NO_PREFETCH" else BackwardPrefetch[prefetch]
     kw["forward_prefetch"] = _bool("fsdp_forward_prefetch", fsdp.get("fsdp_forward_prefetch", False))
     kw["auto_wrap_policy"] = _wrap_policy(fsdp, model)
-    kw["use_orig_params"] = _bool("fsdp_use_orig_params", fsdp.get("fsdp_use_orig_params", False))
+    kw["use_orig_params"] = _bool("fsdp_use_orig_params", fsdp.get("fsdp_use_orig_params", True))
     kw["sync_module_states"] = _bool("fsdp_sync_module_states", fsdp.get("fsdp_sync_module_states", True))
-    kw.cpu_ram_efficient_loading = _bool("fsdp_cpu_ram_efficient_loading", fsdp.get("fsdp_cpu_ram_efficient_loading", False))
+    kw.cpu_ram_efficient_loading = _bool("fsdp_cpu_ram_efficient_loading", fsdp.get("fsdp_cpu_ram_efficient_loading", True))
     if kw.cpu_ram_efficient_loading and not kw["sync_module_states"]:
         warnings.warn("zeroshard accelerate config: fsdp_cpu_ram_efficient_loading needs fsdp_sync_module_states "
                       "(ranks other than 0 load no weights); setting sync_module_states=True, as Accelerate does.", stacklevel=2)
         kw["sync_module_states"] = True
     kw["cpu_offload"] = CPUOffload(offload_params=_bool("fsdp_offload_params", fsdp.get("fsdp_offload_params", False)))
     kw.state_dict_type = StateDictType[_choice("fsdp_state_dict_type", fsdp.get("fsdp_state_dict_type", "FULL_STATE_DICT"), STATE_DICT_TYPES)]
-    mp = fsdp.get("mixed_precision", "no")
+    mp = str(fsdp.get("mixed_precision", "no")).strip().lower()
     dtypes = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     if mp not in dtypes:
         raise _bad("mixed_precision", mp, "bf16, fp16 or no")
@@ -156,17 +168,33 @@ def from_accelerate_config(config, model: nn.Module | None = None) -> FSDPKwargs
     return kw
 
 
+def _prefixed(fsdp: dict) -> dict:
+    """``accelerate launch``'s reading of fsdp_config keys: ``fsdp_`` is added where a key lacks ``fsdp``; nulls are dropped."""
+    out = {}
+    for key, value in fsdp.items():
+        name = key if "fsdp" in key or key == "mixed_precision" else "fsdp_" + key
+        if name in out:
+            raise ValueError(f"zeroshard accelerate config: both {key} and {name} are given. Fix: keep one of them.")
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _one_of(fsdp: dict, key: str, older: str, default, read):
+    """The value of ``key``, else of ``older`` (a second name for it), read by ``read``; the two must agree."""
+    values = {k: read(k, fsdp[k]) for k in (key, older) if k in fsdp}
+    if len(set(values.values())) > 1:
+        raise ValueError(f"zeroshard accelerate config: {key} = {fsdp[key]!r} and {older} = {fsdp[older]!r} say different "
+                         f"things. Fix: keep only {key}.")
+    return next(iter(values.values()), default)
+
+
 def _strategy(fsdp: dict) -> ShardingStrategy:
-    if "fsdp_sharding_strategy" in fsdp:
-        name = _choice("fsdp_sharding_strategy", fsdp["fsdp_sharding_strategy"], STRATEGIES)
-    elif "fsdp_reshard_after_forward" in fsdp:
-        value = fsdp["fsdp_reshard_after_forward"]
-        if isinstance(value, str) and value.strip().upper() in STRATEGIES:
-            name = value.strip().upper()
-        else:
-            name = "FULL_SHARD" if _bool("fsdp_reshard_after_forward", value) else "SHARD_GRAD_OP"
-    else:
-        name = "FULL_SHARD"
+    def read(key, value):
+        if key == "fsdp_sharding_strategy" or isinstance(value, str) and value.strip().upper() in STRATEGIES:
+            return _choice(key, value, STRATEGIES)
+        return "FULL_SHARD" if _bool(key, value) else "SHARD_GRAD_OP"
+    name = _one_of(fsdp, "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "FULL_SHARD", read)
     return ShardingStrategy["_HYBRID_SHARD_ZERO2" if name == "HYBRID_SHARD_ZERO2" else name]
 
 
@@ -190,6 +218,10 @@ def _wrap_policy(fsdp: dict, model: nn.Module | None):
             raise _bad("fsdp_transformer_layer_cls_to_wrap", None, "the block class names to wrap, e.g. 'GPT2Block,LlamaDecoderLayer'")
     if isinstance(names, str):
         names = [n.strip() for n in names.split(",") if n.strip()]
+    if not names:  # what `accelerate config` writes when the question is left blank; Accelerate fails on it too
+        raise _bad("fsdp_transformer_layer_cls_to_wrap", fsdp["fsdp_transformer_layer_cls_to_wrap"],
+                   "the block class names to wrap, e.g. 'GPT2Block,LlamaDecoderLayer' (or leave the field out to "
+                   "wrap the model's _no_split_modules)")
     by_name = {type(m).__name__: type(m) for m in model.modules()}
     missing = [n for n in names if n not in by_name]
     if missing:
