@@ -132,3 +132,29 @@ def test_example_runs(tmp_path):
     assert (ckpt / "full.pt").is_file() and (ckpt / "model3.pt").is_file()
     assert "full checkpoint reloads in a plain model: True" in out.stdout
     assert "local shards restore a fresh model: True" in out.stdout
+
+
+def _full_checkpoint_misuse(rank, world_size):
+    model = hfai.FullyShardedDataParallel(build("mlp"), auto_wrap_policy=_policy())
+    errors = []
+    with model.summon_full_params(recurse=False):  # nested units stay sharded: no plain-key checkpoint to give
+        for call in (model.state_dict, lambda: model.load_state_dict({})):
+            try:
+                call()
+            except ValueError as e:
+                errors.append(str(e))
+    with model.summon_full_params():
+        full = model.state_dict()
+    try:
+        model.load_state_dict(full)  # outside the block: this rank's shards are expected
+    except ValueError as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_full_checkpoint_misuse_is_refused(ranks):
+    for errors in ranks.run(2, _full_checkpoint_misuse):
+        assert len(errors) == 3
+        assert "state_dict() inside summon_full_params(recurse=False)" in errors[0] and "Fix" in errors[0]
+        assert "load_state_dict() inside summon_full_params(recurse=False)" in errors[1]
+        assert "got a full checkpoint" in errors[2] and "inside `with model.summon_full_params()" in errors[2]

@@ -715,3 +715,21 @@ def test_a_local_load_that_fails_on_one_rank_loads_nothing_anywhere(ranks, use_o
     before it raised there, and rank 0 returned with its part loaded (torch
     FSDP1 too). Every entry is now checked, on every rank, before any write."""
     assert all(ranks.run(2, _local_load_damaged_on_one_rank, use_orig_params))
+
+
+def _full_dict_under_local(rank, world_size):
+    import zeroshard as zs
+
+    model = zs.FSDP(build("mlp", seed=0), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    full = build("mlp", seed=5).state_dict()
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.LOCAL_STATE_DICT):
+        with pytest.raises(RuntimeError) as e:
+            model.load_state_dict(full)
+    return str(e.value)
+
+
+def test_a_full_dict_loaded_under_local_names_the_state_dict_type(ranks):
+    """A FULL state dict loaded under LOCAL_STATE_DICT was told 'or pass
+    strict=False', which loads none of it."""
+    for msg in ranks.run(2, _full_dict_under_local):
+        assert "this is a FULL or SHARDED state dict" in msg and "state_dict_type it was saved with" in msg, msg

@@ -187,6 +187,10 @@ def load(root, state_dict, strict: bool = True):
             if bad is not None:
                 raise ValueError(f"zeroshard: LOCAL state dict entry '{clean_fqn(bad[0])}' has shape {bad[1]} but the "
                                  f"model's is {bad[2]}. Fix: load the LOCAL state dict this model saved at this world size.")
+            if strict and flat_keys and unexpected and not any(key in given for key in flat_keys):
+                raise RuntimeError(f"zeroshard: LOCAL state dict load got no flat shard (missing {missing}) but the keys "
+                                   f"{unexpected[:3]}...: this is a FULL or SHARDED state dict, and strict=False would load "
+                                   "none of it. Fix: load it under the state_dict_type it was saved with.")
             if strict and (missing or unexpected):
                 raise RuntimeError(f"zeroshard: LOCAL state dict mismatch: missing {missing}, unexpected {unexpected}. Fix: "
                                    "load the LOCAL state dict this model saved at this world size (or pass strict=False).")

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from .. import parent_load
 from .. import state_dict as sd
-from ..fully_sharded import FullyShardedDataParallel as _Engine
+from ..fully_sharded import FLAT_PARAM, FullyShardedDataParallel as _Engine
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
 from ..wrap import size_based_auto_wrap_policy
 
@@ -48,17 +48,24 @@ class FullyShardedDataParallel(_Engine):
         for unit in _Engine.fsdp_modules(self):  # auto-wrapped units are engine instances
             unit._state_dict_type = StateDictType.LOCAL_STATE_DICT
         self._fsdp_group_size = fsdp_group_size
-        self._in_summon = False
+        self._in_summon, self._summon_recurse = False, True
 
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):
         """All ranks enter; inside, parameters are full and state_dict() is the plain model's."""
         with sd.summon_full_params(self, recurse=recurse, writeback=writeback):
-            self._in_summon = True
+            self._in_summon, self._summon_recurse = True, recurse
             try:
                 yield
             finally:
                 self._in_summon = False
+
+    def _check_full(self, call: str) -> None:
+        """Inside ``summon_full_params(recurse=False)`` nested units still hold flat shards, not the plain model's keys."""
+        if not self._summon_recurse and len(_Engine.fsdp_modules(self)) > 1:
+            raise ValueError(f"zeroshard.compat.hfai: {call} inside summon_full_params(recurse=False): the nested FSDP "
+                             "units are still sharded, so the full checkpoint would hold flat shards under internal "
+                             "keys. Fix: use summon_full_params() (recurse=True).")
 
     def _layout(self) -> dict:
         replicas = self._replicate_group.size() if self._replicate_group is not None else 1
@@ -68,6 +75,7 @@ class FullyShardedDataParallel(_Engine):
         if sd.passthrough_active():
             return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         if self._in_summon:  # full parameters already here: no collective
+            self._check_full("state_dict()")
             with sd.plain_module_behaviour():
                 raw = nn.Module.state_dict(self, prefix=prefix, keep_vars=True)
             return {sd.clean_key(k): v.detach().clone() for k, v in raw.items()}
@@ -77,12 +85,17 @@ class FullyShardedDataParallel(_Engine):
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if self._in_summon:
+            self._check_full("load_state_dict()")
             with sd.plain_module_behaviour():
                 actual = {sd.clean_key(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
             with torch.no_grad(), parent_load.own_load():  # nn.Module's walk over the summoned units, not a parent's
                 return nn.Module.load_state_dict(self, {actual.get(k, k): v for k, v in state_dict.items()}, strict=strict)
         state_dict = dict(state_dict)
         saved = state_dict.pop(LAYOUT_KEY, None)
+        if saved is None and state_dict and not any(k.endswith(FLAT_PARAM) for k in state_dict):
+            raise ValueError("zeroshard.compat.hfai: load_state_dict() outside summon_full_params() got a full checkpoint "
+                             "(the plain model's keys, no flat shards); outside the block it loads this rank's shards. "
+                             "Fix: load it inside `with model.summon_full_params(): model.load_state_dict(sd)`.")
         if saved is not None and saved != self._layout():
             raise ValueError(
                 f"zeroshard.compat.hfai: this local checkpoint was saved with world size {saved['world_size']} and "
