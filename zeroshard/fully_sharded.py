@@ -242,6 +242,8 @@ class FullyShardedDataParallel(nn.Module):
                 args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         if mp.cast_forward_inputs and h is not None and not full_precision:  # torch: only units with a FlatParameter
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
+        if h is not None:  # without grad mode but fed tensors that need grad: a reentrant checkpoint's first forward
+            h.recompute_ahead = not torch.is_grad_enabled() and any(t.requires_grad for t in hooks.tensors_in((args, kwargs)))
         hooks.pre_forward(self)
         return args, kwargs
 

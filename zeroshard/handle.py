@@ -110,6 +110,7 @@ class FlatParamHandle(OrigParams, FullParams):
         # (see hooks.post_backward_final)
         self.graph_node = None
         self.graph_kept = False
+        self.recompute_ahead = False  # set by each forward: kept past a no-grad forward (hooks.post_forward)
         self.graph_version: tuple[int, int, int] | None = None
         self.needs_pre_forward_unshard = False
         self.needs_pre_backward_unshard = False

@@ -197,9 +197,13 @@ def post_forward(state, output):
             trace.span_end("forward", handle.unit_name)
         # The root keeps its parameters for backward, which starts with it;
         # ZeRO-2 keeps them all. Without grad mode no backward will come to
-        # free them, and a shard changed meanwhile (optimizer, load) would
-        # leave them stale, so they are freed right away.
-        keep = torch.is_grad_enabled() and (state._is_root or recompute or handle.strategy not in RESHARD_AFTER_FORWARD)
+        # free them, so they are freed right away; except a ZeRO-2 unit fed
+        # tensors that need grad (a reentrant checkpoint: its recomputation in
+        # backward reuses the gather, as in torch). A kept unit whose shard
+        # changes meanwhile gathers again (kept_version).
+        zero2 = handle.strategy not in RESHARD_AFTER_FORWARD
+        keep = (torch.is_grad_enabled() and (state._is_root or recompute or zero2)
+                or handle.recompute_ahead and zero2 and not state._is_root)
         if not keep and torch.is_grad_enabled():
             handle.keep_secondary()  # hpZ: the backward gathers from it within the group
         # ZeRO-2 units computing with grad mode keep exposing the unsharded
@@ -208,7 +212,7 @@ def post_forward(state, output):
         zero2_kept = torch.is_grad_enabled() and handle.sharded and handle.strategy not in RESHARD_AFTER_FORWARD
         free = not keep and not handle.graph_kept
         if free and handle.sharded and handle.unsharded:
-            validation.refuse_outputs_on_the_freed_buffer(handle, _tensors_in(output))
+            validation.refuse_outputs_on_the_freed_buffer(handle, tensors_in(output))
         handle.reshard(free=free, sharded_views=not zero2_kept)
         if keep and handle.sharded and not recompute:
             handle.kept_version = handle.shard_version()
@@ -224,7 +228,7 @@ def post_forward(state, output):
     return output
 
 
-def _tensors_in(obj) -> list[torch.Tensor]:
+def tensors_in(obj) -> list[torch.Tensor]:
     """Every tensor in a forward output, looking where torch FSDP1 looks:
     dataclass fields, dict values (subclasses too), list / tuple / set items
     (namedtuples too) and a PackedSequence's data. Missing one would leave its
@@ -241,7 +245,7 @@ def _tensors_in(obj) -> list[torch.Tensor]:
         items = list(obj)
     else:
         return []
-    return [t for item in items for t in _tensors_in(item)]
+    return [t for item in items for t in tensors_in(item)]
 
 
 def _in_backward() -> bool:
@@ -251,7 +255,7 @@ def _in_backward() -> bool:
 def _register_pre_backward(state, output):
     if not torch.is_grad_enabled():
         return
-    tensors = [t for t in _tensors_in(output) if t.requires_grad]
+    tensors = [t for t in tensors_in(output) if t.requires_grad]
     handle = state._handle
     if handle is not None:
         handle.ran_pre_backward = False
