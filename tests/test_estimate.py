@@ -153,6 +153,49 @@ def test_measured_model_states_match_estimate(ranks, strategy, param_dtype):
         assert peak == est.working_set_bytes
 
 
+class _Nest(torch.nn.Module):
+    """Linear -> inner -> Linear: units nested three deep compute inside one another."""
+
+    def __init__(self, d: int, inner: torch.nn.Module | None = None):
+        super().__init__()
+        self.a, self.inner, self.b = torch.nn.Linear(d, d), inner or torch.nn.Identity(), torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.inner(self.a(x))))
+
+
+class _Leaf(_Nest):
+    pass
+
+
+class _Sub(_Nest):
+    pass
+
+
+def _nested_model():
+    torch.manual_seed(0)
+    blocks = [_Nest(8, _Sub(8, _Leaf(8))) for _ in range(3)]
+    return torch.nn.Sequential(torch.nn.Linear(5, 8), *blocks, torch.nn.Linear(8, 4))
+
+
+def _nested_peak(rank, world_size, kw):
+    model = zs.FSDP(_nested_model(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({_Nest, _Sub, _Leaf}), **kw)
+    zs.unsharded_tracker.reset_peaks()
+    model(torch.randn(4, 5)).square().mean().backward()
+    return zs.unsharded_tracker.peak_bytes, zs.unsharded_tracker.peak_non_root_units
+
+
+def test_working_set_bounds_nested_units(ranks):
+    """Units nested three deep are all gathered at once while the innermost
+    computes: more than the root + 2 largest units the estimate used to give."""
+    est = estimate_model(_nested_model(), 2, zs.wrap.ModuleWrapPolicy({_Nest, _Sub, _Leaf}), "FULL_SHARD")
+    root, *rest = [u.padded_numel * 4 for u in est.units]
+    for kw in ({}, {"backward_prefetch": None}, {"backward_prefetch": zs.BackwardPrefetch.BACKWARD_POST},
+               {"forward_prefetch": True}):
+        peak, units = ranks.run(2, _nested_peak, kw)[0]
+        assert units == 3 and root + sum(sorted(rest)[-2:]) < peak <= est.working_set_bytes, (kw, peak, est.working_set_bytes)
+
+
 # --------------------------------------------------------------------- (4) CLI
 def _cli(*args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))

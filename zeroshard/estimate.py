@@ -20,9 +20,11 @@ shard *is* the parameter, in its own dtype (fp32); MixedPrecision only sets the 
 the gathered compute copy. So the persistent state is 4 + 4 + 8 = 16 bytes per element,
 sharded (16Ψ/N) for FULL_SHARD and SHARD_GRAD_OP (FSDP1 shards ZeRO-2's params at rest
 too), replicated for NO_SHARD, plus a transient working set in the compute dtype:
-FULL_SHARD: the root unit (gathered from forward through backward) + the
-hooks.MAX_LIVE_PREFETCH_UNITS = 2 largest other units (limit_all_gathers' bound with
-prefetch); SHARD_GRAD_OP: every unit (gathered from forward to the end of backward);
+FULL_SHARD: the root unit (gathered from forward through backward) + the largest
+chain of nested units (a unit computes inside its ancestors, all gathered) + the
+largest other unit (a prefetch: limit_all_gathers, on by default, allows one while
+fewer than hooks.MAX_LIVE_PREFETCH_UNITS = 2 are gathered; without it the bound does
+not hold); SHARD_GRAD_OP: every unit (gathered from forward to the end of backward);
 NO_SHARD: nothing if it computes on the shard, else every unit's cast copy (autograd
 holds them until backward). FULL_SHARD's needs unit sizes: give ``--model``, or call
 :func:`estimate_model`, which runs the engine's own wrapping (wrap.wrap_submodules) and layout
@@ -194,19 +196,30 @@ def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, str
         held = (u.shard_numel if sharded else u.numel) * dtype.itemsize
         # The master param; its grad and Adam's exp_avg + exp_avg_sq only when trainable.
         state = [state[0] + held, state[1] + held * u.trainable, state[2] + 2 * held * u.trainable]
-        gathered.append((m is model, (u.padded_numel if sharded else u.numel) * compute.itemsize, compute != dtype))
+        gathered.append((m is model, (u.padded_numel if sharded else u.numel) * compute.itemsize, compute != dtype, names[m]))
     if strategy == "FULL_SHARD":
-        rest = sorted((b for is_root, b, _ in gathered if not is_root), reverse=True)
-        working = sum(b for is_root, b, _ in gathered if is_root) + sum(rest[:MAX_LIVE_PREFETCH_UNITS])
+        working = sum(b for is_root, b, _, _ in gathered if is_root) + _largest_live(
+            [(name, b) for is_root, b, _, name in gathered if not is_root])
     elif strategy == "SHARD_GRAD_OP":
-        working = sum(b for _, b, _ in gathered)
+        working = sum(b for _, b, _, _ in gathered)
     else:  # NO_SHARD computes on the shard itself unless it must cast or move it
-        working = sum(b for _, b, cast in gathered if cast or offload)
+        working = sum(b for _, b, cast, _ in gathered if cast or offload)
     itemsize = (param_dtype or next((p.dtype for p in owner), torch.float32)).itemsize
     hpz = hpz_group_size if strategy == "FULL_SHARD" and hpz_group_size else None
     secondary = sum(u.padded_numel // hpz * itemsize for u in units[1:]) if hpz else 0
     return ModelEstimate(units, strategy, world_size, sum(p.numel() for p in owner), *state, working, offload,
                          itemsize, hpz, secondary)
+
+
+def _largest_live(units: list[tuple[str, int]]) -> int:
+    """FULL_SHARD's most gathered bytes of non-root units (name, bytes) at once: a unit and its
+    ancestors (nested units compute inside one another) plus the largest prefetched others."""
+    best = 0
+    for name, _ in units:
+        chain = {n for n, _ in units if n == name or name.startswith(n + ".")}
+        others = sorted((b for n, b in units if n not in chain), reverse=True)[:MAX_LIVE_PREFETCH_UNITS - 1]
+        best = max(best, sum(b for n, b in units if n in chain) + sum(others))
+    return best
 
 
 def _ring(nbytes: float, group_size: int) -> float:
