@@ -116,6 +116,52 @@ def test_extra_step_on_one_rank_times_out_when_peer_lingers(tmp_path):
     assert PG_TIMEOUT - 0.5 < _surfaced_after(msg) < PG_TIMEOUT + 5, msg
 
 
+def _hybrid_extra_step(rank, world_size, flag_path):
+    """As _extra_step, where the step's last collective runs on zeroshard's own
+    replica group (fsdp_group_size=1: every rank its own shard group)."""
+    torch.manual_seed(0)
+    model = zs.FSDP(MLP(n_blocks=3), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
+                    sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD, fsdp_group_size=1)
+    opt = torch.optim.AdamW(model.parameters())
+    for step in range(2):
+        _step(model, opt, rank, step)
+    if rank == 0:
+        _timed(lambda: _step(model, opt, rank, 2), flag_path)
+    else:
+        _linger(flag_path)
+    return "finished"
+
+
+def test_zeroshards_own_groups_time_out_with_the_process_groups_timeout(tmp_path):
+    """Groups made for fsdp_group_size / hpz_group_size waited torch's 30-minute
+    new_group default, not the timeout init_process_group was given."""
+    with pytest.raises(RuntimeError) as info:
+        spawn(_hybrid_extra_step, 2, str(tmp_path / "flag"), timeout=SPAWN_TIMEOUT, pg_timeout=PG_TIMEOUT)
+    msg = str(info.value)
+    assert "zeroshard: rank 0: all_reduce for replica all-reduce of unit" in msg, msg
+    assert "timed out (the process group's timeout)" in msg, msg
+    assert _surfaced_after(msg) < PG_TIMEOUT + 5, msg
+
+
+def _group_size_differs(rank, world_size, name):
+    kw = {name: (2, 1)[rank]}
+    if name == "fsdp_group_size":
+        kw["sharding_strategy"] = zs.ShardingStrategy.HYBRID_SHARD
+    try:
+        zs.FSDP(MLP(n_blocks=2), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), **kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("name", ["fsdp_group_size", "hpz_group_size"])
+def test_a_group_size_that_differs_across_ranks_is_refused(name):
+    """Ranks making different groups waited in new_group's rendezvous (30 minutes)."""
+    for msg in spawn(_group_size_differs, 2, name, timeout=SPAWN_TIMEOUT, pg_timeout=20):
+        assert msg.startswith(f"zeroshard: {name} differs across ranks: rank 0 has 2, rank 1 has 1. Fix: pass the same value "
+                              "on every rank."), msg
+
+
 def _extra_no_grad_forward(rank, world_size):
     """Rank 0 runs an extra evaluation forward (no_grad) between two steps."""
     model = _model()

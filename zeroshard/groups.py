@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 import torch.distributed as dist
 
 from . import comm
@@ -36,6 +37,16 @@ def _alive(group) -> bool:
         return False
 
 
+def _default_timeout():
+    """The timeout init_process_group was given: new_group would otherwise wait on its own
+    groups' collectives for torch's 30-minute default, whatever the user asked for."""
+    try:
+        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
+        return dist.distributed_c10d._get_default_group()._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):  # a backend without options: torch's default
+        return None
+
+
 def block_groups(k: int, name: str = "fsdp_group_size"):
     """(shard group of this rank's block of k, replicate group of its position)."""
     world = dist.get_world_size()
@@ -44,16 +55,22 @@ def block_groups(k: int, name: str = "fsdp_group_size"):
             f"zeroshard: {name}={k} does not divide the world size {world}. "
             "Fix: pick a divisor of the world size (e.g. the ranks per node)."
         )
+    # Every rank must create every group, in the same order: ranks that disagree on k
+    # would wait in new_group's rendezvous (30 minutes by default), so they agree first.
+    everyone = comm.gather_objects(k, None, f"{name} (the same on every rank?)")
+    if len(set(everyone)) > 1:
+        r = next(r for r, v in enumerate(everyone) if v != everyone[0])
+        raise ValueError(f"zeroshard: {name} differs across ranks: rank 0 has {everyone[0]}, rank {r} has {everyone[r]}. "
+                         "Fix: pass the same value on every rank.")
     key = (k, world)
     if key not in _block_groups or not all(map(_alive, _block_groups[key])):
-        rank, shard, replicate = dist.get_rank(), None, None
-        # Every rank must create every group, in the same order.
+        rank, shard, replicate, timeout = dist.get_rank(), None, None, _default_timeout()
         for start in range(0, world, k):
-            g = dist.new_group(list(range(start, start + k)))
+            g = dist.new_group(list(range(start, start + k)), timeout=timeout)
             if start <= rank < start + k:
                 shard = g
         for pos in range(k):
-            g = dist.new_group(list(range(pos, world, k)))
+            g = dist.new_group(list(range(pos, world, k)), timeout=timeout)
             if rank % k == pos:
                 replicate = g
         _block_groups[key] = (shard, replicate)
