@@ -69,7 +69,14 @@ def _different_settings(rank, world_size, which):
     kwargs = {"mp": dict(mixed_precision=zs.MixedPrecision(param_dtype=(torch.bfloat16, torch.float16)[rank])),
               "reduce": dict(mixed_precision=zs.MixedPrecision(reduce_dtype=(torch.bfloat16, torch.float16)[rank])),
               "strategy": dict(sharding_strategy=(zs.ShardingStrategy.FULL_SHARD, zs.ShardingStrategy.NO_SHARD)[rank]),
-              "orig": dict(use_orig_params=rank == 1), "frozen": dict(use_orig_params=True)}[which]
+              "orig": dict(use_orig_params=rank == 1), "frozen": dict(use_orig_params=True),
+              "prefetch": dict(backward_prefetch=(zs.BackwardPrefetch.BACKWARD_PRE, None)[rank]),
+              "bucket": dict(bucket_cap_mb=(25, None)[rank]),
+              "quant": dict(quantized_all_gather=(zs.Int8BlockQuant(), None)[rank])}.get(which)
+    if which == "nested":  # each rank ignores another block: units pair up by construction order, relative names equal
+        model = MLP(n_blocks=3)
+        zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), ignored_modules=[model.blocks[rank]])
+        return
     model = Other(wide=False)
     if which == "frozen" and rank == 1:  # frozen on one rank only: its collectives would mismatch in backward
         model.b.requires_grad_(False)
@@ -78,7 +85,9 @@ def _different_settings(rank, world_size, which):
 
 @pytest.mark.parametrize("which,name", [("mp", "param_dtype"), ("reduce", "reduce_dtype"),
                                         ("strategy", "sharding_strategy"), ("orig", "use_orig_params"),
-                                        ("frozen", "frozen_parameters")])
+                                        ("frozen", "frozen_parameters"), ("prefetch", "backward_prefetch"),
+                                        ("bucket", "bucket_cap_mb"), ("quant", "quantized_all_gather"),
+                                        ("nested", "nested_units")])
 def test_ranks_disagreeing_on_fsdp_arguments_detected_at_construction(which, name):
     """Without the check, different mixed precision per rank trains on to wrong
     (non-finite) values silently, and the other differences time out or abort."""

@@ -154,6 +154,11 @@ class FullyShardedDataParallel(nn.Module):
                 replicate_group=replicate_group, compute_device=self.compute_device,
                 offload_params=self.cpu_offload.offload_params,
                 keep_low_precision_grads=self.mixed_precision.keep_low_precision_grads,
+                # Ranks must agree on these too (their collectives), and on where the nested units are: two ranks
+                # that ignored different blocks pair their units up by construction order, relative names equal.
+                settings=dict(backward_prefetch=backward_prefetch, bucket_cap_mb=bucket_cap_mb,
+                              quantized_all_gather=quantized_all_gather, hpz_group_size=hpz_group_size,
+                              nested_units=[n for n, m in module.named_modules() if m in nested] or None),
             )
             self._handle.persistent = self._handle.strategy != strategy
             self._handle.quant = quantized_all_gather if self._handle.sharded else None

@@ -48,7 +48,7 @@ class FlatParamHandle(OrigParams, FullParams):
     def __init__(self, entries, aliases, *, group, strategy: ShardingStrategy, use_orig_params: bool, unit_name: str,
                  param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = None,
                  replicate_group=None, compute_device: torch.device | None = None, offload_params: bool = False,
-                 keep_low_precision_grads: bool = False):
+                 keep_low_precision_grads: bool = False, settings: dict | None = None):
         self.group = group
         # HSDP: shards are replicated across this group; gradients are
         # all-reduced over it after the reduce-scatter (see reduce).
@@ -75,7 +75,7 @@ class FlatParamHandle(OrigParams, FullParams):
         validation.check_same_layout(self.layout, dtype, group, unit_name, dict(
             sharding_strategy=strategy.name, use_orig_params=use_orig_params, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, keep_low_precision_grads=keep_low_precision_grads,
-            frozen_parameters=[e[2] for e in entries if not e[3].requires_grad] or None))
+            frozen_parameters=[e[2] for e in entries if not e[3].requires_grad] or None, **(settings or {})))
         flat = flatten_params(self.layout, params)
         self.local_shard = shard_of(flat, self.layout) if self.sharded else flat
         del flat
