@@ -417,3 +417,22 @@ def test_load_sharded_hints_init_optim_state_only_for_an_optimizer_without_state
     with pytest.raises(ValueError) as fresh:
         checkpoint.load_sharded({"optim": {"state": {}, "param_groups": groups}}, path)
     assert "init_optim_state" in str(fresh.value), str(fresh.value)
+
+
+def _save_to_per_rank_paths(rank, world_size, base):
+    state = {"w": torch.distributed.tensor.DTensor.from_local(
+        torch.full((2,), float(rank)), torch.distributed.device_mesh.init_device_mesh("cpu", (world_size,)),
+        [torch.distributed.tensor.Shard(0)])}
+    try:
+        checkpoint.save_sharded(state, os.path.join(base, f"step100_rank{rank}"))
+    except ValueError as e:
+        return str(e), os.listdir(base)
+    return None, os.listdir(base)
+
+
+def test_save_sharded_to_a_different_path_on_each_rank_is_refused(ranks, tmp_path):
+    """Rank 1's save returned normally and its shard went into rank 0's directory:
+    rank 1's path held nothing."""
+    for msg, listed in ranks.run(2, _save_to_per_rank_paths, str(tmp_path)):
+        assert msg and "different paths" in msg and "step100_rank0' on rank 0" in msg and "Fix" in msg, msg
+        assert listed == [], listed
