@@ -1016,3 +1016,23 @@ def test_zero_grad_inside_an_accumulation_window_keeps_it_at_stages_2_3(ranks, s
     micro-batches at stages 2/3 (0.056 off after 3 steps); DeepSpeed keeps its
     partitioned accumulation, and so does zeroshard now."""
     assert ranks.run(2, _zero_grad_every_micro_step, stage) == [True, True]
+
+
+def _config_differs(rank, world_size, key, values):
+    cfg = _config(0)
+    section, _, name = key.rpartition(".")
+    (cfg.setdefault(section, {}) if section else cfg)[name] = values[rank]
+    try:
+        initialize(model=build("mlp"), config=cfg)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("key,values,shown", [
+    ("gradient_clipping", (0.01, 0.0), "gradient_clipping is 0.01 on rank 0 but 0.0 on rank 1"),  # replicas drifted
+    ("zero_optimization.stage", (0, 1), "zero.stage is 0 on rank 0 but 1 on rank 1"),  # timed out, naming others
+])
+def test_a_config_that_differs_across_ranks_is_refused(ranks, key, values, shown):
+    for msg in ranks.run(2, _config_differs, key, values):
+        assert msg is not None and shown in msg and "Fix: give every rank the same config" in msg, msg

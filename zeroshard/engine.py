@@ -49,6 +49,7 @@ written atomically; see ``ds_checkpoint``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 
@@ -100,6 +101,8 @@ class Engine(ConfigGetters, nn.Module):
         self.world_size, self.global_rank = dist.get_world_size(), dist.get_rank()
         self.local_rank = ds_stages.local_rank(args, self.global_rank)
         self.config = cfg = load_config(config, self.world_size)
+        if self.world_size > 1:
+            _check_same_config(cfg)
         self.stage, dtype = cfg.zero.stage, cfg.low_precision_dtype
         self.device = ds_stages.device_for(model, self.local_rank)
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
@@ -352,3 +355,23 @@ class Engine(ConfigGetters, nn.Module):
         """Returns ``(load_path, client_state)``, or ``(None, None)`` with a warning if there is no checkpoint."""
         return ds_checkpoint.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                   load_lr_scheduler_states, load_module_only)
+
+
+def _check_same_config(cfg) -> None:
+    """Every rank must train with one config: a different stage, accumulation or
+    precision mismatches collectives (a timeout or an abort naming unrelated ones),
+    a different clipping or optimizer drifts the replicas apart silently (collective)."""
+    mine = {k: repr(v) for k, v in _flat(dataclasses.asdict(cfg), "").items() if not k.startswith("raw.")}
+    first, *rest = comm.gather_objects(mine, None, "initialize (comparing the config across ranks)")
+    for r, theirs in enumerate(rest, 1):  # every rank names the same difference
+        key = next((k for k in sorted(set(first) | set(theirs)) if first.get(k) != theirs.get(k)), None)
+        if key is not None:
+            raise ValueError(f"zeroshard.initialize: config {key} is {first.get(key, 'not set')} on rank 0 but "
+                             f"{theirs.get(key, 'not set')} on rank {r}. Fix: give every rank the same config.")
+
+
+def _flat(d: dict, prefix: str) -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out
