@@ -204,3 +204,24 @@ def test_demo_writes_the_trace(tmp_path):
     assert str(out) in res.stdout
     for r in (0, 1):
         assert (tmp_path / f"t.rank{r}.json").exists()
+
+
+def _hybrid_spans(rank, world_size):
+    torch.manual_seed(0)
+    model = zs.FSDP(MLP(n_blocks=N_BLOCKS), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
+                    sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD, fsdp_group_size=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _step(model, opt, rank, 0)
+    with trace.record() as tl, zs.comm_stats() as stats:
+        _step(model, opt, rank, 1)
+    kinds = {}
+    for s in tl.spans:
+        kinds[s.kind] = kinds.get(s.kind, 0) + 1
+    return kinds, dict(stats.calls)
+
+
+def test_hybrid_replica_all_reduce_is_on_the_timeline(ranks):
+    """The replica all-reduce after each reduce-scatter had no span: its time was nowhere."""
+    for kinds, calls in ranks.run(4, _hybrid_spans):
+        for kind in ("all_gather", "reduce_scatter", "all_reduce"):
+            assert kinds.get(kind) == calls[kind], (kind, kinds, calls)

@@ -57,22 +57,27 @@ class PendingReduction:
     def __init__(self, entries, work, out: torch.Tensor, inp: torch.Tensor, sizes: list[int]):
         # entries: (handle, post-divide factor); out: their results end to end.
         self.entries, self.work, self.out, self.inp, self.sizes = entries, work, out, inp, sizes
-        if trace._active:
-            for h, _ in entries:
-                trace.span_begin(_kind(h), h.unit_name)
+        _spans(entries, trace.span_begin)
 
     def finish(self):
         self.work.wait()
-        if trace._active:
-            for h, _ in self.entries:
-                trace.span_end(_kind(h), h.unit_name)
+        _spans(self.entries, trace.span_end)
         self.inp = None  # the send buffer may be freed now
         h0 = self.entries[0][0]
         if h0.replicate_group is not None:  # HSDP: the shard is summed across replicas too
+            _spans(self.entries, trace.span_begin, "all_reduce")
             comm.all_reduce(self.out, h0.replicate_group, what=f"replica all-reduce of {_names(self.entries)} gradients")
+            _spans(self.entries, trace.span_end, "all_reduce")
         outs = self.out.split(self.sizes) if len(self.entries) > 1 else [self.out]
         for (h, post), out in zip(self.entries, outs):
             _accumulate(h, out, post)
+
+
+def _spans(entries, mark, kind: str | None = None) -> None:
+    """A trace span's begin or end (``mark``) for each unit reduced (its own collective's kind by default)."""
+    if trace._active:
+        for h, _ in entries:
+            mark(kind or _kind(h), h.unit_name)
 
 
 def _kind(h) -> str:

@@ -19,7 +19,8 @@ the block, and named by each unit's ``unit_name``:
   contains its children's.
 * ``reduce_scatter`` spans (track "reduce_scatter"; ``all_reduce`` for
   NO_SHARD): from issue in ``reduce.start_reduction`` to completion in
-  ``PendingReduction.finish``.
+  ``PendingReduction.finish``; hybrid sharding adds an ``all_reduce`` span
+  on the same track for the replica all-reduce that follows.
 * ``reshard`` instants (track "compute") with the bytes freed, and a counter
   of live unsharded bytes sampled at every unshard and reshard.
 
