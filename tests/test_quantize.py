@@ -224,7 +224,7 @@ def _qwz_misuse(rank, world_size):
         zs.FSDP(torch.nn.Linear(4, 4), sharding_strategy=zs.ShardingStrategy.NO_SHARD,
                 quantized_all_gather=Int8BlockQuant())(torch.randn(2, 4))
         zs.FSDP(torch.nn.Linear(4, 4), quantized_all_gather=Int8BlockQuant())(torch.randn(2, 4))
-    return refused, [str(w.message) for w in caught if "quantized_all_gather has no effect" in str(w.message)]
+    return refused, [str(w.message) for w in caught if "quantized_all_gather" in str(w.message)]
 
 
 def test_qwz_misuse_is_named_at_construction(ranks):
@@ -235,4 +235,6 @@ def test_qwz_misuse_is_named_at_construction(ranks):
     assert "(an instance)" in refused[0] and "Int8BlockQuant() (called)" in refused[0]
     assert "is not a quantizer" in refused[1]
     assert "block_size=64.0" in refused[2] and "positive int" in refused[2]
-    assert len(warned) == 1 and "NO_SHARD" in warned[0], warned
+    assert len(warned) == 2 and "has no effect" in warned[0] and "NO_SHARD" in warned[0], warned
+    # A 20-element Linear over 2 ranks: 10-element shards, each sent as a whole 256-element block.
+    assert "sends more bytes than the plain all-gather for units 'Linear'" in warned[1], warned

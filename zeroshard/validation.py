@@ -335,6 +335,15 @@ def warn_if_nothing_quantized(states) -> None:
                       "world size of 1, or param_persistence_threshold keeps them all whole), so nothing is "
                       "all-gathered. Fix: shard the model (FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD on 2 or more "
                       "ranks), or drop quantized_all_gather.", stacklevel=4)
+        return
+    # Each rank's shard is padded to whole blocks: a shard smaller than a block sends more than it saves.
+    larger = [h.unit_name for h in handles if h.quant is not None and hasattr(h.quant, "payload_bytes")
+              and h.quant.payload_bytes(h.layout.shard_numel) > h.layout.shard_numel * h.compute_dtype.itemsize]
+    if larger:
+        warnings.warn(f"zeroshard: quantized_all_gather sends more bytes than the plain all-gather for units "
+                      f"{', '.join(repr(n) for n in larger[:5])}{' ...' if len(larger) > 5 else ''}: their shards are "
+                      "smaller than a block, which is padded to full size. Fix: a smaller block_size, "
+                      "param_persistence_threshold for small units, or fewer ranks per shard group.", stacklevel=4)
 
 
 def refuse_outputs_on_the_freed_buffer(handle, outputs) -> None:
