@@ -12,7 +12,7 @@ import torch
 
 import zeroshard as zs
 from models import MLP, Block, TinyGPT, TransformerBlock
-from zeroshard.estimate import estimate_model, model_states
+from zeroshard.estimate import comm_volume, estimate_model, model_states
 
 GB = 1e9
 
@@ -112,14 +112,16 @@ def test_estimate_model_without_policy_and_shared_params():
 
 
 # -------------------------------------------------- (3) measured model states
-def _measured_bytes(rank, world_size, strategy, param_dtype):
+def _measured_bytes(rank, world_size, strategy, param_dtype, persistence=None):
     torch.manual_seed(0)
     mp = zs.MixedPrecision(param_dtype=param_dtype) if param_dtype is not None else None
     model = zs.FSDP(MLP(n_blocks=4), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
-                    sharding_strategy=getattr(zs.ShardingStrategy, strategy), mixed_precision=mp)
+                    sharding_strategy=getattr(zs.ShardingStrategy, strategy), mixed_precision=mp,
+                    param_persistence_threshold=persistence)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     zs.unsharded_tracker.reset_peaks()
-    model(torch.randn(4, 5)).sum().backward()
+    with zs.comm_stats() as stats:
+        model(torch.randn(4, 5)).sum().backward()
     opt.step()
 
     def nbytes(t):
@@ -135,17 +137,27 @@ def _measured_bytes(rank, world_size, strategy, param_dtype):
                 step_bytes += nbytes(v)
             else:
                 o_bytes += nbytes(v)
-    return p_bytes, g_bytes, o_bytes, step_bytes, len(params), zs.unsharded_tracker.peak_bytes
+    sent = {k: v for k, v in stats.bytes.items() if v}
+    return p_bytes, g_bytes, o_bytes, step_bytes, len(params), zs.unsharded_tracker.peak_bytes, sent
 
 
 @pytest.mark.parametrize(
-    "strategy,param_dtype",
-    [("FULL_SHARD", None), ("FULL_SHARD", torch.bfloat16), ("SHARD_GRAD_OP", None), ("NO_SHARD", None)],
+    "strategy,param_dtype,persistence",
+    [("FULL_SHARD", None, None), ("FULL_SHARD", torch.bfloat16, None), ("SHARD_GRAD_OP", None, None),
+     ("NO_SHARD", None, None), ("FULL_SHARD", None, 100), ("SHARD_GRAD_OP", torch.bfloat16, 100)],
 )
-def test_measured_model_states_match_estimate(ranks, strategy, param_dtype):
+def test_measured_model_states_match_estimate(ranks, strategy, param_dtype, persistence):
     torch.manual_seed(0)
-    est = estimate_model(MLP(n_blocks=4), 2, zs.wrap.ModuleWrapPolicy({Block}), strategy, param_dtype)
-    for p_bytes, g_bytes, o_bytes, step_bytes, n_params, peak in ranks.run(2, _measured_bytes, strategy, param_dtype):
+    est = estimate_model(MLP(n_blocks=4), 2, zs.wrap.ModuleWrapPolicy({Block}), strategy, param_dtype,
+                         param_persistence_threshold=persistence)
+    if persistence:  # else this case shows nothing: some units persistent, some sharded
+        assert {u.sharded for u in est.units} == {True, False}
+    volume = {k.split()[-1]: 0.0 for k in comm_volume(est)}
+    for k, (b, _) in comm_volume(est).items():
+        volume[k.split()[-1]] += b
+    for p_bytes, g_bytes, o_bytes, step_bytes, n_params, peak, sent in ranks.run(
+            2, _measured_bytes, strategy, param_dtype, persistence):
+        assert sent == pytest.approx(volume, rel=1e-12, abs=0), (sent, volume)
         assert (p_bytes, g_bytes, o_bytes) == (est.param_bytes, est.grad_bytes, est.optim_bytes)
         assert p_bytes + g_bytes + o_bytes == est.sharded_bytes
         assert step_bytes == 4 * n_params  # one float32 scalar per parameter, left out of the estimate
@@ -252,5 +264,13 @@ def test_cli_refuses_what_it_cannot_estimate(capsys):
     assert "argument --params: -7000000000.0 must be a finite number > 0" in refused("--params=-7e9", "--world-size", "4")
     assert "only FULL_SHARD" in refused("--params", "7e9", "--world-size", "8", "--hpz-group-size", "2",
                                         "--strategy", "SHARD_GRAD_OP")
+    # A bad --model ended in a raw ModuleNotFoundError / AttributeError traceback.
+    assert "--model nosuchmodule:f: No module named 'nosuchmodule'" in refused("--model", "nosuchmodule:f", "--world-size", "2")
+    assert "(expected module:function" in refused("--model", "models", "--world-size", "2")
+    assert "needs the units' sizes: give --model" in refused("--params", "7e9", "--world-size", "2",
+                                                             "--param-persistence-threshold", "100")
+    # NO_SHARD shards nothing: its units' "shard numel/rank" was half their numel.
+    whole = main(["--model", "models:MLP", "--wrap-class", "Block", "--world-size", "2", "--strategy", "NO_SHARD"])
+    assert "| blocks.0 | 202 | 202 | 202 |" in whole, whole
     out = main(["--model", "models:TinyGPT", "--wrap-class", "TransformerBlock", "--world-size", "1", "--hpz-group-size", "1"])
     assert "ZeRO++ hpZ: no effect at --world-size 1" in out

@@ -185,6 +185,8 @@ def test_cli_prints_table_and_custom_setup(capsys):
     (["--params", "7e9", "--efficiency", "5"], "argument --efficiency: 5.0 must be between 0 and 1"),
     (["--params", "nan"], "argument --params: nan must be a finite number > 0"),
     (["--params", "7e9", "--shard-group", "128"], "--shard-group 128 must divide --world-size 64"),
+    (["--world-size", "64"], "--world-size describes a custom setup"),  # the default's value, given: was ignored
+    (["--params", "7e9", "--strategy", "NO_SHARD", "--shard-group", "2"], "NO_SHARD shards nothing"),  # was ignored
 ])
 def test_cli_refuses_what_it_cannot_model(argv, said, capsys):
     """These divided by zero, printed negative or >100 % figures, or ignored the flags."""

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from .bucket import unit_strategy
 from .flat_param import build_layout, collect_params
 from .fully_sharded import FullyShardedDataParallel
 from .hooks import MAX_LIVE_PREFETCH_UNITS
@@ -117,6 +118,7 @@ class UnitEstimate:
     padded_numel: int  # all-gathered buffer size: shard_numel * world_size
     shard_numel: int  # elements each rank keeps
     trainable: bool
+    sharded: bool = True  # False: NO_SHARD or persistent (param_persistence_threshold): padded = shard = numel
 
 
 @dataclass(frozen=True)
@@ -149,7 +151,8 @@ class ModelEstimate:
 
 def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, strategy="FULL_SHARD",
                    param_dtype: torch.dtype | None = None, use_orig_params: bool = False,
-                   ignored_modules=None, offload: bool = False, hpz_group_size: int | None = None) -> ModelEstimate:
+                   ignored_modules=None, offload: bool = False, hpz_group_size: int | None = None,
+                   param_persistence_threshold: int | None = None) -> ModelEstimate:
     """The engine's units and layouts for ``model``, computed without a process group.
 
     Per-rank bytes use Adam (2 states) on the master shard; with use_orig_params=True
@@ -189,24 +192,26 @@ def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, str
             continue
         dtype = entries[0][3].dtype
         compute = param_dtype or dtype
-        layout = build_layout(entries, aliases, world_size, 0, 16 // compute.itemsize if use_orig_params else 0)
+        numel = sum(e[3].numel() for e in entries)
+        whole = not sharded or unit_strategy(ShardingStrategy[strategy], numel, param_persistence_threshold).name == "NO_SHARD"
+        layout = build_layout(entries, aliases, 1 if whole else world_size, 0, 16 // compute.itemsize if use_orig_params else 0)
         u = UnitEstimate(names[m], layout.numel, layout.padded_numel, layout.shard_numel,
-                         any(e[3].requires_grad for e in entries))
+                         any(e[3].requires_grad for e in entries), not whole)
         units.append(u)
-        held = (u.shard_numel if sharded else u.numel) * dtype.itemsize
+        held = u.shard_numel * dtype.itemsize
         # The master param; its grad and Adam's exp_avg + exp_avg_sq only when trainable.
         state = [state[0] + held, state[1] + held * u.trainable, state[2] + 2 * held * u.trainable]
-        gathered.append((m is model, (u.padded_numel if sharded else u.numel) * compute.itemsize, compute != dtype, names[m]))
-    if strategy == "FULL_SHARD":
-        working = sum(b for is_root, b, _, _ in gathered if is_root) + _largest_live(
-            [(name, b) for is_root, b, _, name in gathered if not is_root])
-    elif strategy == "SHARD_GRAD_OP":
+        # A unit kept whole computes on its shard unless it must cast or move it (autograd holds the copies to backward).
+        copy = u.padded_numel * compute.itemsize if not whole or compute != dtype or offload else 0
+        gathered.append((m is model, copy, whole, names[m]))
+    if strategy == "FULL_SHARD":  # units kept whole hold their copies together, like the root
+        working = sum(b for is_root, b, whole, _ in gathered if is_root or whole) + _largest_live(
+            [(name, b) for is_root, b, whole, name in gathered if not is_root and not whole])
+    else:  # SHARD_GRAD_OP keeps every unit gathered to backward; NO_SHARD's copies (if any) live as long
         working = sum(b for _, b, _, _ in gathered)
-    else:  # NO_SHARD computes on the shard itself unless it must cast or move it
-        working = sum(b for _, b, cast, _ in gathered if cast or offload)
     itemsize = (param_dtype or next((p.dtype for p in owner), torch.float32)).itemsize
     hpz = hpz_group_size if strategy == "FULL_SHARD" and hpz_group_size else None
-    secondary = sum(u.padded_numel // hpz * itemsize for u in units[1:]) if hpz else 0
+    secondary = sum(u.padded_numel // hpz * itemsize for u in units[1:] if u.sharded) if hpz else 0
     return ModelEstimate(units, strategy, world_size, sum(p.numel() for p in owner), *state, working, offload,
                          itemsize, hpz, secondary)
 
@@ -235,13 +240,16 @@ def comm_volume(est: ModelEstimate) -> dict:
     reduce_dtype). The same ring accounting as ``zeroshard.comm_stats()``.
     """
     n, c = est.world_size, est.compute_itemsize
+    whole = sum(u.numel for u in est.units if not u.sharded) * c
     if est.strategy == "NO_SHARD":
-        return {"all_reduce": (2 * _ring(sum(u.numel for u in est.units) * c, n), n)}
-    padded = [u.padded_numel * c for u in est.units]
+        return {"all_reduce": (2 * _ring(whole, n), n)}
+    padded = [u.padded_numel * c if u.sharded else 0 for u in est.units]
     out = {"forward all_gather": (_ring(sum(padded), n), n), "reduce_scatter": (_ring(sum(padded), n), n)}
     if est.strategy == "FULL_SHARD":
         g = est.hpz_group_size or n
         out["backward all_gather"] = (_ring(sum(padded[1:]), g), g)
+    if whole:  # persistent units: their gradients are all-reduced
+        out["all_reduce"] = (2 * _ring(whole, n), n)
     return out
 
 
@@ -307,9 +315,12 @@ def main(argv=None) -> str:
     ap.add_argument("--mixed-precision", default="bf16", choices=list(DTYPES))
     ap.add_argument("--offload", action="store_true", help="params/grads/optimizer state on CPU")
     ap.add_argument("--hpz-group-size", type=positive_int, help="ZeRO++ hpZ: secondary shards over k ranks (FULL_SHARD)")
+    ap.add_argument("--param-persistence-threshold", type=positive_int, help="units of at most N elements kept whole (with --model)")
     a = ap.parse_args(argv)
     if (a.params is None) == (a.model is None):
         ap.error("give exactly one of --params and --model")
+    if a.param_persistence_threshold is not None and a.model is None:
+        ap.error("--param-persistence-threshold needs the units' sizes: give --model")
     if a.hpz_group_size is not None:
         if a.world_size % a.hpz_group_size:
             ap.error(f"--hpz-group-size {a.hpz_group_size} must divide --world-size {a.world_size}")
@@ -319,13 +330,18 @@ def main(argv=None) -> str:
     lines, model_est = [], {}  # strategy -> ModelEstimate from the real layouts
     if a.model:
         mod, _, fn = a.model.partition(":")
+        try:
+            build = getattr(importlib.import_module(mod), fn)
+        except (ImportError, AttributeError, ValueError) as e:
+            ap.error(f"--model {a.model}: {e} (expected module:function, importable from here)")
         with torch.device("meta"):  # sizes only: no memory for the weights
-            model = getattr(importlib.import_module(mod), fn)()
+            model = build()
         classes = {type(m) for m in model.modules() if type(m).__name__ == a.wrap_class}
         if a.wrap_class and not classes:
             ap.error(f"no module of class {a.wrap_class} in the model")
         policy = ModuleWrapPolicy(classes) if classes else None
-        model_est = {s: estimate_model(model, a.world_size, policy, s, DTYPES[a.mixed_precision], offload=a.offload)
+        model_est = {s: estimate_model(model, a.world_size, policy, s, DTYPES[a.mixed_precision], offload=a.offload,
+                                       param_persistence_threshold=a.param_persistence_threshold)
                      for s in strategies if s != "ZERO1"}
         est = next(iter(model_est.values()), None) or estimate_model(model, a.world_size, policy)
         psi = est.psi

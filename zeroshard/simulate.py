@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 from dataclasses import dataclass
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
@@ -344,11 +345,16 @@ def main(argv=None) -> str:
     ap.add_argument("--ac", type=_fraction(False), default=0.0, help="fraction of blocks with activation checkpointing")
     ap.add_argument("--no-prefetch", action="store_true")
     ap.add_argument("--efficiency", type=_fraction(True), help="override the preset's achievable fraction of peak (0-1]")
-    a = ap.parse_args(argv)
-    custom = [x.dest for x in ap._actions if x.dest not in ("help", "params") and getattr(a, x.dest) != x.default]
+    args = sys.argv[1:] if argv is None else list(argv)
+    a = ap.parse_args(args)
+    # Given, not merely different from the default: --world-size 64 describes a custom setup too.
+    custom = [x.dest for x in ap._actions if x.dest not in ("help", "params")
+              and any(arg == o or arg.startswith(o + "=") for o in x.option_strings for arg in args)]
     if a.params is None and custom:
         ap.error(f"--{custom[0].replace('_', '-')} describes a custom setup: give --params too "
                  "(without it the published setups are printed)")
+    if a.shard_group is not None and a.strategy == "NO_SHARD":
+        ap.error("--shard-group shards within groups (HYBRID_SHARD); NO_SHARD shards nothing: drop one of them")
     if a.shard_group is not None and (a.shard_group > a.world_size or a.world_size % a.shard_group):
         ap.error(f"--shard-group {a.shard_group} must divide --world-size {a.world_size}")
     if a.params is None:
