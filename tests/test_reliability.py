@@ -127,3 +127,53 @@ def test_groups_are_rebuilt_under_a_new_default_process_group():
     from zeroshard.testing.ranks import free_port
 
     assert spawn(_two_process_groups, 2, free_port(), timeout=120, pg_timeout=30) == [True, True]
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        # One shape for all three and no backward prefetch: every collective pairs up whatever unit each
+        # rank is at (else the prefetches' all-gathers mismatch or differ in number: gloo aborts or times out).
+        self.body, self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, branch=None):
+        h = torch.tanh(self.body(x))
+        if branch is not None:  # one head, chosen per rank
+            return (self.a if branch == 0 else self.b)(h)
+        return self.a(h), self.b(h)
+
+
+def _ranks_disagree(rank, world_size, case, detail):
+    """Heads of one shape: their collectives pair up whatever unit each rank runs."""
+    old = os.environ.get("TORCH_DISTRIBUTED_DEBUG")
+    os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL" if detail else "OFF"
+    try:
+        torch.manual_seed(0)
+        model = zs.FSDP(_TwoHeads(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({nn.Linear}), backward_prefetch=None)
+        x = torch.randn(2, 4)
+        try:
+            if case == "branch":  # rank 0 runs head a, rank 1 head b
+                model(x, branch=rank).sum().backward()
+            elif case == "loss":  # both heads run; the loss uses a on rank 0, b on rank 1
+                model(x)[rank].sum().backward()
+            else:  # the same on every rank
+                model(x)[0].sum().backward()
+        except RuntimeError as e:
+            return str(e)
+        return None
+    finally:
+        if old is None:
+            del os.environ["TORCH_DISTRIBUTED_DEBUG"]
+        else:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = old
+
+
+@pytest.mark.parametrize("case,said", [("branch", "rank 0 ran forward through units ['body', 'a'], rank 1 "
+                                                  "ran forward through units ['body', 'b']"),
+                                       ("loss", "rank 0 reduced the gradients of units"), ("same", None)])
+def test_detail_debug_names_ranks_that_ran_or_reduced_different_units(ranks, case, said):
+    """Silent in both engines by default: wrong gradients. torch FSDP1 checks its forward
+    order under TORCH_DISTRIBUTED_DEBUG=DETAIL; zeroshard checks both after each backward."""
+    for msg in ranks.run(2, _ranks_disagree, case, True):
+        assert (msg is None) if said is None else (said in msg and "Fix" in msg), msg
+    assert ranks.run(2, _ranks_disagree, case, False) == [None, None]  # off by default: no collective added

@@ -376,6 +376,7 @@ def post_backward_final(root):
             post_backward(state, h.flat_param)
     rt.pending += reduce.flush(rt.bucketer)
     reduce.finish_reductions(rt.pending)
+    validation.check_same_order(root)
     for state in rt.states:
         handle = state._handle
         if handle is not None:

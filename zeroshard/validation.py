@@ -3,7 +3,9 @@ device, parameters no other unit owns, one dtype, one device, uniform
 requires_grad (without use_orig_params), and the same layout on every rank;
 and, at an optimizer's first step, that it was not built over parameters the
 FlatParameters replaced; at every step, that no sharded unit's gradient is
-still the unreduced, unsharded one ``no_sync`` accumulates.
+still the unreduced, unsharded one ``no_sync`` accumulates; and, under
+``TORCH_DISTRIBUTED_DEBUG=DETAIL``, after every backward, that the ranks ran
+the same units forward in the same order and reduced the same ones.
 
 A FlatParameter is one tensor, so its parameters must agree on dtype and
 device; ranks whose layouts differ would all-gather mismatched buffers
@@ -11,6 +13,7 @@ device; ranks whose layouts differ would all-gather mismatched buffers
 """
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 
@@ -361,3 +364,28 @@ def refuse_outputs_on_the_freed_buffer(handle, outputs) -> None:
                                f"{tuple(t.shape)}), whose memory is freed when the unit reshards after its forward. "
                                "Fix: return a copy (.clone()) or a result computed from them, or keep this module "
                                "inside its parent's unit.")
+
+
+def check_same_order(root) -> None:
+    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (where torch FSDP1 compares its forward
+    order across ranks): after each backward the ranks compare the units they ran
+    forward, in order, and the units they reduced. Units of the same shapes pair
+    up silently otherwise: a branch taken on one rank only all-gathers another
+    unit's shards, and a loss using different heads on different ranks sums one
+    head's gradient with another's. One object all-gather per backward."""
+    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL" or root.process_group.size() == 1:
+        return
+    rt = root._runtime
+    path = {id(m): n.replace("_fsdp_wrapped_module.", "") or "<root>" for n, m in root.named_modules()}
+    units = [s for s in rt.states if s._handle is not None]
+    name = {id(s._handle): path.get(id(s), type(s.module).__name__) for s in units}
+    mine = ([name[id(h)] for h in rt.post_forward_order], [name[id(s._handle)] for s in units if s._handle.post_backward_called])
+    everyone = comm.gather_objects(mine, root.process_group, "TORCH_DISTRIBUTED_DEBUG=DETAIL order check")
+    for r, theirs in enumerate(everyone):
+        for i, what in ((0, "ran forward through units"), (1, "reduced the gradients of units")):
+            if theirs[i] != everyone[0][i]:
+                raise RuntimeError(
+                    f"zeroshard: ranks disagree (TORCH_DISTRIBUTED_DEBUG=DETAIL): rank 0 {what} {everyone[0][i]}, "
+                    f"rank {dist.get_global_rank(root.process_group, r)} {what} {theirs[i]}; their collectives paired "
+                    "different units, so the gradients are wrong. Fix: run the same units on every rank, and make "
+                    "every output a unit computes part of every rank's loss (e.g. + 0 * head_b_out.sum()).")
