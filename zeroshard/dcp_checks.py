@@ -80,8 +80,9 @@ def _plain_tensors_agreed(state: dict) -> dict:
     if not differing:
         return state
     warnings.warn(f"zeroshard: save_sharded: {len(differing)} plain tensor(s) differ between ranks ('{differing[0]}'"
-                  f"{', ...' if len(differing) > 1 else ''}): buffers are not synchronized by FSDP (BatchNorm's running "
-                  "statistics); rank 0's values are saved, as in torch FSDP1's FULL state dict.", stacklevel=3)
+                  f"{', ...' if len(differing) > 1 else ''}): FSDP synchronizes neither buffers (BatchNorm's running "
+                  "statistics) nor ignored parameters; rank 0's values are saved, as in torch FSDP1's FULL state "
+                  "dict.", stacklevel=3)
     state = dict(state)
     for k in differing:
         value = flat[k].detach().clone()
