@@ -297,3 +297,30 @@ def _no_grad_forward_keeps_zero2_units_fresh(rank, world_size):
 def test_a_reentrant_checkpoint_keeps_zero2_units_and_regathers_stale_ones(ranks):
     for kept, gathers, same in ranks.run(2, _no_grad_forward_keeps_zero2_units_fresh):
         assert kept and gathers == 4 and same, (kept, gathers, same)
+
+
+class _ReentrantRegionBlock(RegionBlock):
+    """RegionBlock with reentrant regions: the second region's backward runs the
+    unit's post-backward before the first region recomputes."""
+
+    def forward(self, x):
+        h = checkpoint(lambda t: torch.relu(self.l1(t)), x, use_reentrant=True)
+        return self.l3(x + checkpoint(self.l2, h, use_reentrant=True))
+
+
+def _reentrant_region(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), _ReentrantRegionBlock(), _ReentrantRegionBlock(), nn.Linear(7, 3))
+    model = zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({_ReentrantRegionBlock}))
+    x = batch("mlp", rank, 0).requires_grad_(True)
+    try:
+        model(x).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_a_reentrant_region_inside_a_unit_names_the_fix(ranks):
+    """Unsupported (torch FSDP1 fails too); the error used to point to summon_full_params."""
+    for msg in ranks.run(2, _reentrant_region):
+        assert msg and "was read during backward, after its unit resharded" in msg and "use_reentrant=False" in msg, msg

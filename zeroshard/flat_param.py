@@ -170,6 +170,12 @@ class FreedView(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         freed = next(a for a in (*args, *(kwargs or {}).values()) if isinstance(a, FreedView))
+        if torch._C._current_graph_task_id() != -1:  # read during backward: a recomputation after the reshard
+            raise RuntimeError(
+                f"zeroshard: {freed._where} was read during backward, after its unit resharded (use_orig_params=False): "
+                "a reentrant activation checkpoint around part of a unit recomputes after the unit's own backward "
+                "(torch FSDP1 fails here too). Fix: checkpoint with use_reentrant=False, or checkpoint the whole "
+                "unit (checkpoint_wrapper around or inside it).")
         raise RuntimeError(
             f"zeroshard: {freed._where} holds only this rank's shard right now (use_orig_params=False "
             "frees the full parameters outside the unit's forward and backward, and off rank 0 inside "
