@@ -324,3 +324,42 @@ def test_a_reentrant_region_inside_a_unit_names_the_fix(ranks):
     """Unsupported (torch FSDP1 fails too); the error used to point to summon_full_params."""
     for msg in ranks.run(2, _reentrant_region):
         assert msg and "was read during backward, after its unit resharded" in msg and "use_reentrant=False" in msg, msg
+
+
+class _QueryHead(nn.Module):
+    """A root parameter fed to a child unit (DETR / Q-Former query embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.q = nn.Parameter(torch.randn(4, 8))
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, use_q=False):
+        return self.b(self.a(self.q if use_q else x))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_an_eval_forward_on_inputs_needing_grad_leaves_no_stale_unit(ranks, use_orig_params):
+    """SHARD_GRAD_OP units an eval forward (no_grad) kept because their inputs need grad
+    computed the next forward with the weights from before optimizer.step()."""
+    for diffs in ranks.run(2, _eval_then_step, use_orig_params):
+        assert diffs == [0.0, 0.0], diffs
+
+
+def _eval_then_step(rank, world_size, use_orig_params):
+    diffs = []
+    for variant in ("leaf", "param"):
+        torch.manual_seed(0)
+        base = _QueryHead()
+        ref = copy.deepcopy(base)
+        model = zs.FSDP(base, sharding_strategy=zs.ShardingStrategy.SHARD_GRAD_OP, use_orig_params=use_orig_params,
+                        auto_wrap_policy=zs.wrap.ModuleWrapPolicy({nn.Linear}))
+        x = torch.randn(4, 8)
+        for m in (model, ref):
+            opt = torch.optim.SGD(m.parameters(), lr=0.5)
+            m(x).sum().backward()
+            with torch.no_grad():
+                m(x.clone().requires_grad_(True)) if variant == "leaf" else m(x, use_q=True)
+            opt.step()
+        diffs.append(float((model(x) - ref(x)).abs().max()))
+    return diffs

@@ -71,11 +71,13 @@ def drop_nested_backward_leftovers(rt):
 
 
 def drop_unused_prefetches(rt):
-    """Free units a forward prefetch gathered but that did not run (skipped
-    this time). Left gathered, their next forward would reuse the copy even
-    after the optimizer changed the shard."""
+    """After a root forward without grad mode: free units a forward prefetch
+    gathered but that did not run (skipped this time), and units kept for a
+    reentrant checkpoint's recomputation (``recompute_ahead``), which no
+    backward will run. Left gathered, their next forward would reuse the copy
+    even after the optimizer changed the shard."""
     for h in rt.handles:
-        if h.prefetched and h.unsharded:
+        if (h.prefetched or h.recompute_ahead) and h.unsharded and not h.is_root:
             h.reshard(free=True)
 
 
