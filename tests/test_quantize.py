@@ -238,3 +238,30 @@ def test_qwz_misuse_is_named_at_construction(ranks):
     assert len(warned) == 2 and "has no effect" in warned[0] and "NO_SHARD" in warned[0], warned
     # A 20-element Linear over 2 ranks: 10-element shards, each sent as a whole 256-element block.
     assert "sends more bytes than the plain all-gather for units 'Linear'" in warned[1], warned
+
+
+class _DelegatingQuant:
+    """A user's own quantizer: any object with quantize / dequantize (default repr: an address)."""
+
+    def __init__(self):
+        self.inner = Int8BlockQuant(block_size=64)
+
+    def quantize(self, shard):
+        return self.inner.quantize(shard)
+
+    def dequantize(self, payload, numel, out):
+        return self.inner.dequantize(payload, numel, out)
+
+
+def _custom_quantizer(rank, world_size):
+    torch.manual_seed(0)
+    base = torch.nn.Linear(16, 16)
+    ours = zs.FSDP(copy.deepcopy(base), quantized_all_gather=_DelegatingQuant())
+    ref = zs.FSDP(copy.deepcopy(base), quantized_all_gather=Int8BlockQuant(block_size=64))
+    x = torch.ones(2, 16)
+    return torch.equal(ours(x), ref(x))
+
+
+def test_a_custom_quantizer_is_not_refused_for_its_address(ranks):
+    """Construction compared quantizers by str(): a class without a __repr__ differed on every rank."""
+    assert ranks.run(2, _custom_quantizer) == [True, True]

@@ -9,6 +9,7 @@ callback shared by all units below it (see ``hooks``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import warnings
 
@@ -33,6 +34,14 @@ from .wrap import wrap_submodules
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FLAT_PARAM = "_flat_param"
+
+
+def _described(obj):
+    """A setting compared across ranks: a dataclass by its fields, another object by its class
+    (its default repr holds a memory address, which differs on every rank)."""
+    if obj is None or dataclasses.is_dataclass(obj):
+        return obj
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -157,7 +166,7 @@ class FullyShardedDataParallel(nn.Module):
                 # Ranks must agree on these too (their collectives), and on where the nested units are: two ranks
                 # that ignored different blocks pair their units up by construction order, relative names equal.
                 settings=dict(backward_prefetch=backward_prefetch, bucket_cap_mb=bucket_cap_mb,
-                              quantized_all_gather=quantized_all_gather, hpz_group_size=hpz_group_size,
+                              quantized_all_gather=_described(quantized_all_gather), hpz_group_size=hpz_group_size,
                               nested_units=[n for n, m in module.named_modules() if m in nested] or None),
             )
             self._handle.persistent = self._handle.strategy != strategy
