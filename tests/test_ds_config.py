@@ -280,6 +280,7 @@ S, P = zs.ShardingStrategy, zs.BackwardPrefetch
     ("fsdp_sharding_strategy", 4, "sharding_strategy", S.HYBRID_SHARD),
     ("fsdp_sharding_strategy", "hybrid_shard_zero2", "sharding_strategy", S._HYBRID_SHARD_ZERO2),
     ("fsdp_reshard_after_forward", False, "sharding_strategy", S.SHARD_GRAD_OP),
+    ("fsdp_reshard_after_forward", "HYBRID_SHARD", "sharding_strategy", S.HYBRID_SHARD),
     ("fsdp_backward_prefetch", "BACKWARD_PRE", "backward_prefetch", P.BACKWARD_PRE),
     ("fsdp_backward_prefetch", "NO_PREFETCH", "backward_prefetch", None),
     ("fsdp_backward_prefetch_policy", 2, "backward_prefetch", P.BACKWARD_POST),
@@ -323,6 +324,11 @@ def test_accelerate_keys_without_the_fsdp_prefix_are_read_as_accelerate_launch_r
             "auto_wrap_policy": "SIZE_BASED_WRAP", "min_num_params": 7}})
     assert kw["sharding_strategy"] == S.SHARD_GRAD_OP and kw["cpu_offload"].offload_params and not kw["use_orig_params"]
     assert kw["auto_wrap_policy"].keywords == {"min_num_params": 7}
+    # Both keys, agreeing on resharding after forward: one setup (the strategy names the hybrid form).
+    for name, reshard, want in (("HYBRID_SHARD", True, S.HYBRID_SHARD), ("HYBRID_SHARD_ZERO2", False, S._HYBRID_SHARD_ZERO2),
+                                ("SHARD_GRAD_OP", False, S.SHARD_GRAD_OP)):
+        got = from_accelerate_config({"fsdp_sharding_strategy": name, "fsdp_reshard_after_forward": reshard})
+        assert got["sharding_strategy"] == want, (name, reshard)
     with pytest.raises(ValueError, match="both sharding_strategy and fsdp_sharding_strategy are given"):
         from_accelerate_config({"fsdp_sharding_strategy": 1, "sharding_strategy": 1})
 

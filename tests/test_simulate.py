@@ -186,6 +186,7 @@ def test_cli_prints_table_and_custom_setup(capsys):
     (["--params", "nan"], "argument --params: nan must be a finite number > 0"),
     (["--params", "7e9", "--shard-group", "128"], "--shard-group 128 must divide --world-size 64"),
     (["--world-size", "64"], "--world-size describes a custom setup"),  # the default's value, given: was ignored
+    (["--world", "8"], "unrecognized arguments: --world 8"),  # an abbreviation would slip past the check above
     (["--params", "7e9", "--strategy", "NO_SHARD", "--shard-group", "2"], "NO_SHARD shards nothing"),  # was ignored
 ])
 def test_cli_refuses_what_it_cannot_model(argv, said, capsys):

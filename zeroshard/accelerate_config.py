@@ -194,7 +194,13 @@ def _strategy(fsdp: dict) -> ShardingStrategy:
         if key == "fsdp_sharding_strategy" or isinstance(value, str) and value.strip().upper() in STRATEGIES:
             return _choice(key, value, STRATEGIES)
         return "FULL_SHARD" if _bool(key, value) else "SHARD_GRAD_OP"
-    name = _one_of(fsdp, "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "FULL_SHARD", read)
+    names = {k: read(k, fsdp[k]) for k in ("fsdp_sharding_strategy", "fsdp_reshard_after_forward") if k in fsdp}
+    # Both given: they must agree on resharding after forward (HYBRID_SHARD with true is one setup).
+    if len({name in ("FULL_SHARD", "HYBRID_SHARD") for name in names.values()}) > 1:
+        raise ValueError(f"zeroshard accelerate config: fsdp_sharding_strategy = {fsdp['fsdp_sharding_strategy']!r} and "
+                         f"fsdp_reshard_after_forward = {fsdp['fsdp_reshard_after_forward']!r} say different things. "
+                         "Fix: keep only fsdp_sharding_strategy.")
+    name = names.get("fsdp_sharding_strategy", names.get("fsdp_reshard_after_forward", "FULL_SHARD"))
     return ShardingStrategy["_HYBRID_SHARD_ZERO2" if name == "HYBRID_SHARD_ZERO2" else name]
 
 

@@ -101,10 +101,10 @@ class Engine(ConfigGetters, nn.Module):
         self.world_size, self.global_rank = dist.get_world_size(), dist.get_rank()
         self.local_rank = ds_stages.local_rank(args, self.global_rank)
         self.config = cfg = load_config(config, self.world_size)
+        self.stage, dtype = cfg.zero.stage, cfg.low_precision_dtype
+        self.device = ds_stages.device_for(model, self.local_rank)  # before any collective: NCCL's device
         if self.world_size > 1:
             _check_same_config(cfg)
-        self.stage, dtype = cfg.zero.stage, cfg.low_precision_dtype
-        self.device = ds_stages.device_for(model, self.local_rank)
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self._global_grad_norm = None
         self._step_applied, self._boundary = False, None  # the last boundary's step taken; a set boundary
@@ -361,7 +361,8 @@ def _check_same_config(cfg) -> None:
     """Every rank must train with one config: a different stage, accumulation or
     precision mismatches collectives (a timeout or an abort naming unrelated ones),
     a different clipping or optimizer drifts the replicas apart silently (collective)."""
-    mine = {k: repr(v) for k, v in _flat(dataclasses.asdict(cfg), "").items() if not k.startswith("raw.")}
+    ignored = ("raw.", "steps_per_print", "wall_clock_breakdown", "zero.not_acted_on.")  # no effect on training
+    mine = {k: repr(v) for k, v in _flat(dataclasses.asdict(cfg), "").items() if not k.startswith(ignored)}
     first, *rest = comm.gather_objects(mine, None, "initialize (comparing the config across ranks)")
     for r, theirs in enumerate(rest, 1):  # every rank names the same difference
         key = next((k for k in sorted(set(first) | set(theirs)) if first.get(k) != theirs.get(k)), None)

@@ -331,7 +331,9 @@ def _fraction(low_open: bool):
 
 
 def main(argv=None) -> str:
-    ap = argparse.ArgumentParser(prog="python -m zeroshard.simulate", description=__doc__.split("\n\n")[0])
+    # allow_abbrev=False: which flags were given is read from argv below, so "--world 8" must not pass as one.
+    ap = argparse.ArgumentParser(prog="python -m zeroshard.simulate", description=__doc__.split("\n\n")[0],
+                                 allow_abbrev=False)
     ap.add_argument("--params", type=positive_float, help="custom setup: Ψ (e.g. 7e9), split evenly over --layers units")
     ap.add_argument("--world-size", type=positive_int, default=64)
     ap.add_argument("--hardware", default="a100-400g", choices=list(HARDWARE))
