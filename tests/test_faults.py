@@ -340,7 +340,7 @@ def _state_call_on_rank0_only(rank, world_size, flag_path, call):
 
 @pytest.mark.parametrize("call, waited_on", [
     ("optim_state_dict", "all_gather_object for optim_state_dict (unit '<root> (MLP)': which ranks hold optimizer state)"),
-    ("save_sharded", "all_gather_object for save_sharded (comparing plain tensors across ranks)"),
+    ("save_sharded", "all_gather_object for save_sharded (comparing the paths)"),
 ])
 def test_state_call_on_one_rank_only_times_out_naming_the_call(tmp_path, call, waited_on):
     with pytest.raises(RuntimeError) as info:
