@@ -9,7 +9,6 @@ callback shared by all units below it (see ``hooks``).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import os
 import warnings
 
@@ -27,21 +26,13 @@ from .flat_param import collect_params, kept_out
 from .grad_norm import clip_grad_norm_
 from .handle import FlatParamHandle, HandleState
 from .hpz import SecondaryShards
-from .mixed_precision import cast_buffers, cast_floats, root_inputs
+from .mixed_precision import cast_buffers, cast_floats, root_inputs, tensors_in
 from .options import (BackwardPrefetch, CPUOffload, FullStateDictConfig, MixedPrecision, ShardingStrategy, StateDictType,
                       as_member)
 from .wrap import wrap_submodules
 
 FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FLAT_PARAM = "_flat_param"
-
-
-def _described(obj):
-    """A setting compared across ranks: a dataclass by its fields, another object by its class
-    (its default repr holds a memory address, which differs on every rank)."""
-    if obj is None or dataclasses.is_dataclass(obj):
-        return obj
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def _unwrapped(module: nn.Module) -> nn.Module:
@@ -166,7 +157,7 @@ class FullyShardedDataParallel(nn.Module):
                 # Ranks must agree on these too (their collectives), and on where the nested units are: two ranks
                 # that ignored different blocks pair their units up by construction order, relative names equal.
                 settings=dict(backward_prefetch=backward_prefetch, bucket_cap_mb=bucket_cap_mb,
-                              quantized_all_gather=_described(quantized_all_gather), hpz_group_size=hpz_group_size,
+                              quantized_all_gather=validation.described(quantized_all_gather), hpz_group_size=hpz_group_size,
                               nested_units=[n for n, m in module.named_modules() if m in nested] or None),
             )
             self._handle.persistent = self._handle.strategy != strategy
@@ -257,7 +248,7 @@ class FullyShardedDataParallel(nn.Module):
         if mp.cast_forward_inputs and h is not None and not full_precision:  # torch: only units with a FlatParameter
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         if h is not None:  # without grad mode but fed tensors that need grad: a reentrant checkpoint's first forward
-            h.recompute_ahead = not torch.is_grad_enabled() and any(t.requires_grad for t in hooks.tensors_in((args, kwargs)))
+            h.recompute_ahead = not torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in((args, kwargs)))
         hooks.pre_forward(self)
         return args, kwargs
 

@@ -26,18 +26,16 @@ Either way a unit is gathered once for backward and reduced once.
 """
 from __future__ import annotations
 
-import dataclasses
 import weakref
 
 import torch
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
-from torch.nn.utils.rnn import PackedSequence
 
 from . import kept, reduce, trace, validation
 from .bucket import Bucketer
 from .handle import RESHARD_AFTER_FORWARD, HandleState
-from .mixed_precision import buffers_for_mode
+from .mixed_precision import buffers_for_mode, tensors_in
 from .options import BackwardPrefetch
 
 MAX_LIVE_PREFETCH_UNITS = 2  # limit_all_gathers: non-root units unsharded at once
@@ -226,26 +224,6 @@ def post_forward(state, output):
         state._runtime.forward_pending = True
     _register_pre_backward(state, output)
     return output
-
-
-def tensors_in(obj) -> list[torch.Tensor]:
-    """Every tensor in a forward output, looking where torch FSDP1 looks:
-    dataclass fields, dict values (subclasses too), list / tuple / set items
-    (namedtuples too) and a PackedSequence's data. Missing one would leave its
-    unit without a pre-backward, so its gradients would silently not reduce."""
-    if torch.is_tensor(obj):
-        return [obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    elif isinstance(obj, PackedSequence):
-        items = [obj.data]
-    elif isinstance(obj, dict):
-        items = list(obj.values())
-    elif isinstance(obj, (list, tuple, set)):
-        items = list(obj)
-    else:
-        return []
-    return [t for item in items for t in tensors_in(item)]
 
 
 def _in_backward() -> bool:

@@ -127,6 +127,26 @@ def map_tensors(fn, obj):
     return obj
 
 
+def tensors_in(obj) -> list[torch.Tensor]:
+    """Every tensor in a forward output, looking where torch FSDP1 looks:
+    dataclass fields, dict values (subclasses too), list / tuple / set items
+    (namedtuples too) and a PackedSequence's data. Missing one would leave its
+    unit without a pre-backward, so its gradients would silently not reduce."""
+    if torch.is_tensor(obj):
+        return [obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        items = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
+    elif isinstance(obj, PackedSequence):
+        items = [obj.data]
+    elif isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        items = list(obj)
+    else:
+        return []
+    return [t for item in items for t in tensors_in(item)]
+
+
 def cast_floats(obj, dtype: torch.dtype | None):
     """Forward inputs with every floating tensor cast to ``dtype`` (None: as they are)."""
     if dtype is None:

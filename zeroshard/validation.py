@@ -13,6 +13,7 @@ device; ranks whose layouts differ would all-gather mismatched buffers
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 import weakref
@@ -56,6 +57,14 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings
             f"zeroshard: unit '{unit_name}' has a different layout on different ranks ({diff}). "
             "Fix: build the same model, with the same wrap policy, ignored modules and FSDP arguments, on every rank."
         )
+
+
+def described(obj):
+    """A setting compared across ranks: a dataclass by its fields, another object by its class
+    (its default repr holds a memory address, which differs on every rank)."""
+    if obj is None or dataclasses.is_dataclass(obj):
+        return obj
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
 
 
 def check_uniform(entries, use_orig_params: bool, unit_name: str):
