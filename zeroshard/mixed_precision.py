@@ -21,6 +21,9 @@ two casts that happen outside a FlatParameter, as torch FSDP1 does them:
 * modules kept out of mixed precision (``_module_classes_to_ignore``, e.g.
   BatchNorm, see ``wrap``) get their inputs cast to fp32 and their outputs
   back to the input's dtype.
+
+``map_tensors`` and ``tensors_in`` walk forward inputs and outputs through the
+containers torch FSDP1 looks into (the hooks find the outputs' tensors with it).
 """
 from __future__ import annotations
 
