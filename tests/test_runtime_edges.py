@@ -15,7 +15,7 @@ import torch.distributed.fsdp.wrap as twrap
 import torch.nn as nn
 
 import zeroshard as zs
-from models import Block
+from models import MLP, Block
 
 
 @dataclasses.dataclass
@@ -649,3 +649,33 @@ def test_training_state_and_params_as_torch(ranks):
     out = ranks.run(2, _training_states)[0]
     assert out["zeroshard"] == out["torch"], out
     assert out["torch"][1] == [True] and len(out["torch"][0]) == 4
+
+
+def _ops_on_the_shard_between_steps(rank, world_size, strategy):
+    """parameters_to_vector between steps, outside no_grad (an update-size log), and the
+    step in a function so the last graph is gone: the FlatParameter's AccumulateGrad
+    node was dropped and remade with the shard's shape; the next backward raised."""
+    models = [_wrap(e, _seeded(MLP), Block, sharding_strategy=strategy) for e in ("torch", "zeroshard")]
+    sizes = []
+    for m in models:
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+
+        def step(s):
+            m(_x(rank, s)[:, :5]).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        prev, seen = None, []
+        for s in range(3):
+            step(s)
+            vec = torch.nn.utils.parameters_to_vector(m.parameters())
+            if prev is not None:
+                seen.append((vec - prev).norm())
+            prev = vec
+        sizes.append(seen)
+    return all(torch.equal(a, b) for a, b in zip(*sizes)) and len(sizes[1]) == 2
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
+def test_ops_on_the_sharded_flat_parameter_between_steps_train_as_torch(ranks, strategy):
+    assert ranks.run(2, _ops_on_the_shard_between_steps, strategy) == [True, True]

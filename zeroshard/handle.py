@@ -110,6 +110,7 @@ class FlatParamHandle(OrigParams, FullParams):
         # (see hooks.post_backward_final)
         self.graph_node = None
         self.graph_kept = False
+        self.accumulate_node = None  # the FlatParameter's AccumulateGrad node, kept across iterations (end_iteration)
         self.recompute_ahead = False  # set by each forward: kept past a no-grad forward (hooks.post_forward)
         self.graph_version: tuple[int, int, int] | None = None
         self.needs_pre_forward_unshard = False
@@ -263,6 +264,10 @@ class FlatParamHandle(OrigParams, FullParams):
         self.post_backward_called = self.grad_accumulated = False
         self._grads_at_backward = self._outside = None  # (see absorb_outside_grads) held no longer than one backward
         if self.post_backward_hook is not None:
+            # The AccumulateGrad node stays alive (as torch FSDP1 keeps it): dropped, an op on the
+            # sharded FlatParameter between steps (parameters_to_vector) would make a new one shaped
+            # like the shard, and the next backward's unsharded gradient would be refused.
+            self.accumulate_node = self.post_backward_hook[0]
             self.post_backward_hook[1].remove()
             self.post_backward_hook = None
 
