@@ -288,3 +288,22 @@ def _non_hybrid_unit_under_hybrid_root(rank, world_size):
 
 def test_a_non_hybrid_unit_under_a_hybrid_root_is_refused_with_the_fix(ranks):
     assert all(ranks.run(4, _non_hybrid_unit_under_hybrid_root))
+
+
+def _save_the_wrapped_model(rank, world_size):
+    import io
+
+    model = zs.FSDP(MLP(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    model(torch.randn(2, 5)).sum().backward()
+    try:
+        torch.save(model, io.BytesIO())
+    except TypeError as e:
+        return str(e)
+    return None
+
+
+def test_saving_a_whole_wrapped_model_names_the_real_fix(ranks):
+    """The error said to use summon_full_params or use_orig_params=True, under which
+    pickling fails on the process group instead (torch FSDP1 cannot pickle one either)."""
+    for msg in ranks.run(2, _save_the_wrapped_model):
+        assert msg and "cannot be pickled or saved whole" in msg and "save its state_dict()" in msg, msg

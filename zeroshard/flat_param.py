@@ -189,6 +189,12 @@ class FreedView(torch.Tensor):
     def __deepcopy__(self, memo):
         return FreedView(self.shape, self.stride(), self.dtype, self._device, self._fqn, self._handle())
 
+    def __reduce_ex__(self, protocol):  # torch.save(model) / pickle of a wrapped model reaches it first
+        raise TypeError(f"zeroshard: {self._where} is part of a wrapped model, which cannot be pickled or saved whole "
+                        "(it holds a process group and this rank's shards; torch FSDP1's cannot be either). Fix: save "
+                        "its state_dict() (FULL_STATE_DICT, or SHARDED with zeroshard.checkpoint.save_sharded), or "
+                        "pickle / deep-copy the module before wrapping it.")
+
 
 def kept_out(ignored_modules, ignored_params) -> set:
     """The parameters no FlatParameter may take: ``ignored_params`` plus every
