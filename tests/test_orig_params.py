@@ -412,3 +412,33 @@ def test_no_shard_parent_reading_a_child_parameter_over_steps(ranks, mode):
     for same, diff in ranks.run(2, _parent_reads_child_weight_steps, mode):
         assert same, "replicas differ"
         assert diff <= (2e-3 if mode.startswith("bf16") else 1e-7), diff
+
+
+def _replace_a_head(rank, world_size):
+    """New Parameters for weights only rank 1 holds a slice of. Of another shape than
+    its slice: rank 1 refused it and rank 0 went on into the all-gather (a hang until
+    the timeout; torch FSDP1 too). Of its slice's shape (a 1-D bias held whole): taken."""
+    import zeroshard as zs
+    from models import Block, build
+
+    model = zs.FSDP(build("mlp"), use_orig_params=True, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    model(batch("mlp", rank, 0)).sum().backward()
+    held = (model.module.out.weight.numel(), model.module.out.bias.numel())
+    model.module.out.bias = torch.nn.Parameter(torch.full((3,), 0.5))
+    model(batch("mlp", rank, 1)).sum().backward()  # every rank goes on
+    with zs.FSDP.summon_full_params(model):
+        bias = model.module.out.bias.detach().clone()
+    model.module.out.weight = torch.nn.Parameter(torch.zeros(3, 7))
+    try:
+        model(batch("mlp", rank, 2))
+    except RuntimeError as e:
+        return held, bias, str(e)
+    return held, bias, None
+
+
+def test_a_replaced_parameter_held_by_one_rank_is_refused_on_every_rank(ranks):
+    results = ranks.run(2, _replace_a_head)
+    assert [held for held, _, _ in results] == [(0, 0), (21, 3)], results  # else this test shows nothing
+    for _, bias, msg in results:
+        assert torch.equal(bias, torch.full((3,), 0.5))
+        assert msg and "'out.weight'" in msg and "must keep the shape" in msg, msg
