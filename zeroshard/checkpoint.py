@@ -262,13 +262,12 @@ def save_sharded(state: dict, path: str | os.PathLike) -> None:
     import torch.distributed.checkpoint as dcp
 
     path = os.path.abspath(os.fspath(path))
-    if _distributed():  # every rank writes into rank 0's directory: another path would hold none of its files
-        paths = comm.gather_objects(path, what="save_sharded (comparing the paths)")
-        if any(p != paths[0] for p in paths):
-            r = next(r for r, p in enumerate(paths) if p != paths[0])
-            raise ValueError(f"zeroshard: save_sharded was given different paths: '{paths[0]}' on rank 0, '{paths[r]}' on "
-                             f"rank {r}. One checkpoint is one directory, written by every rank. Fix: pass the same path "
-                             "on every rank.")
+    differs = comm.first_difference(path, what="save_sharded (comparing the paths)")
+    if differs is not None:  # every rank writes into rank 0's directory: another path would hold none of its files
+        r, first, theirs = differs
+        raise ValueError(f"zeroshard: save_sharded was given different paths: '{first}' on rank 0, '{theirs}' on "
+                         f"rank {r}. One checkpoint is one directory, written by every rank. Fix: pass the same path "
+                         "on every rank.")
     state = _plain_tensors_agreed(state)
     tmp = on_rank0(lambda: _prepare(path), "save_sharded (preparing the directory)")
     try:

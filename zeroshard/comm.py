@@ -159,3 +159,14 @@ def first_problem(problem, group=None, what: str = "checking the inputs"):
     everyone = gather_objects(problem, group, what)
     r = next((r for r, p in enumerate(everyone) if p is not None), None)
     return None if r is None else (r if group is None else dist.get_global_rank(group, r), everyone[r])
+
+
+def first_difference(value, group=None, what: str = "comparing across ranks"):
+    """(global rank, rank 0's ``value``, that rank's) for the first rank of ``group``
+    (default: all) whose picklable ``value`` differs from the group's first rank's, or
+    None: every rank names the same difference (collective where distributed)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
+        return None
+    first, *rest = gather_objects(value, group, what)
+    r = next((r for r, v in enumerate(rest, 1) if v != first), None)
+    return None if r is None else (r if group is None else dist.get_global_rank(group, r), first, rest[r - 1])

@@ -363,12 +363,12 @@ def _check_same_config(cfg) -> None:
     a different clipping or optimizer drifts the replicas apart silently (collective)."""
     ignored = ("raw.", "steps_per_print", "wall_clock_breakdown", "zero.not_acted_on.")  # no effect on training
     mine = {k: repr(v) for k, v in _flat(dataclasses.asdict(cfg), "").items() if not k.startswith(ignored)}
-    first, *rest = comm.gather_objects(mine, None, "initialize (comparing the config across ranks)")
-    for r, theirs in enumerate(rest, 1):  # every rank names the same difference
-        key = next((k for k in sorted(set(first) | set(theirs)) if first.get(k) != theirs.get(k)), None)
-        if key is not None:
-            raise ValueError(f"zeroshard.initialize: config {key} is {first.get(key, 'not set')} on rank 0 but "
-                             f"{theirs.get(key, 'not set')} on rank {r}. Fix: give every rank the same config.")
+    differs = comm.first_difference(mine, None, "initialize (comparing the config across ranks)")
+    if differs is not None:
+        r, first, theirs = differs
+        key = next(k for k in sorted(set(first) | set(theirs)) if first.get(k) != theirs.get(k))
+        raise ValueError(f"zeroshard.initialize: config {key} is {first.get(key, 'not set')} on rank 0 but "
+                         f"{theirs.get(key, 'not set')} on rank {r}. Fix: give every rank the same config.")
 
 
 def _flat(d: dict, prefix: str) -> dict:

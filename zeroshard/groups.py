@@ -57,10 +57,10 @@ def block_groups(k: int, name: str = "fsdp_group_size"):
         )
     # Every rank must create every group, in the same order: ranks that disagree on k
     # would wait in new_group's rendezvous (30 minutes by default), so they agree first.
-    everyone = comm.gather_objects(k, None, f"{name} (the same on every rank?)")
-    if len(set(everyone)) > 1:
-        r = next(r for r, v in enumerate(everyone) if v != everyone[0])
-        raise ValueError(f"zeroshard: {name} differs across ranks: rank 0 has {everyone[0]}, rank {r} has {everyone[r]}. "
+    differs = comm.first_difference(k, None, f"{name} (the same on every rank?)")
+    if differs is not None:
+        r, first, theirs = differs
+        raise ValueError(f"zeroshard: {name} differs across ranks: rank 0 has {first}, rank {r} has {theirs}. "
                          "Fix: pass the same value on every rank.")
     key = (k, world)
     if key not in _block_groups or not all(map(_alive, _block_groups[key])):

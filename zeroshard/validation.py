@@ -389,12 +389,13 @@ def check_same_order(root) -> None:
     units = [s for s in rt.states if s._handle is not None]
     name = {id(s._handle): path.get(id(s), type(s.module).__name__) for s in units}
     mine = ([name[id(h)] for h in rt.post_forward_order], [name[id(s._handle)] for s in units if s._handle.post_backward_called])
-    everyone = comm.gather_objects(mine, root.process_group, "TORCH_DISTRIBUTED_DEBUG=DETAIL order check")
-    for r, theirs in enumerate(everyone):
-        for i, what in ((0, "ran forward through units"), (1, "reduced the gradients of units")):
-            if theirs[i] != everyone[0][i]:
-                raise RuntimeError(
-                    f"zeroshard: ranks disagree (TORCH_DISTRIBUTED_DEBUG=DETAIL): rank 0 {what} {everyone[0][i]}, "
-                    f"rank {dist.get_global_rank(root.process_group, r)} {what} {theirs[i]}; their collectives paired "
-                    "different units, so the gradients are wrong. Fix: run the same units on every rank, and make "
-                    "every output a unit computes part of every rank's loss (e.g. + 0 * head_b_out.sum()).")
+    differs = comm.first_difference(mine, root.process_group, "TORCH_DISTRIBUTED_DEBUG=DETAIL order check")
+    if differs is not None:
+        r, first, theirs = differs
+        i, what = next((i, w) for i, w in ((0, "ran forward through units"), (1, "reduced the gradients of units"))
+                       if theirs[i] != first[i])
+        raise RuntimeError(
+            f"zeroshard: ranks disagree (TORCH_DISTRIBUTED_DEBUG=DETAIL): rank 0 {what} {first[i]}, rank {r} {what} "
+            f"{theirs[i]}; their collectives paired different units, so the gradients are wrong. Fix: run the same "
+            "units on every rank, and make every output a unit computes part of every rank's loss "
+            "(e.g. + 0 * head_b_out.sum()).")
