@@ -90,19 +90,21 @@ class FlatLayout:
         self.padded_numel = self.shard_numel * world_size
         self.shard_start = min(rank * self.shard_numel, numel)
         self.shard_end = min((rank + 1) * self.shard_numel, numel)
-        self.shard_slices: list[ShardSlice | None] = [self._slice(p) for p in params]
+        self.shard_slices: list[ShardSlice | None] = [self.slice_on(p, rank) for p in params]
 
-    def _slice(self, p: ParamInfo) -> ShardSlice | None:
+    def slice_on(self, p: ParamInfo, rank: int) -> ShardSlice | None:
+        """The part of ``p`` in ``rank``'s shard (None: none of it)."""
         if p.numel == 0:
             # torch's rule (inclusive ranges): in the one shard that holds elements on both sides of its offset, where
             # it gets an empty .grad (and so optimizer state); padding counts, the shard is not clipped to numel.
-            start = self.rank * self.shard_numel
+            start = rank * self.shard_numel
             inside = start <= p.offset - 1 and start + self.shard_numel - 1 >= p.offset
             return ShardSlice(p.offset - start, 0, 0) if inside else None
-        lo, hi = max(p.offset, self.shard_start), min(p.offset + p.numel, self.shard_end)
+        start = min(rank * self.shard_numel, self.numel)
+        lo, hi = max(p.offset, start), min(p.offset + p.numel, (rank + 1) * self.shard_numel, self.numel)
         if lo >= hi:
             return None
-        return ShardSlice(lo - self.shard_start, hi - lo, lo - p.offset)
+        return ShardSlice(lo - start, hi - lo, lo - p.offset)
 
     @property
     def split_sizes(self) -> list[int]:

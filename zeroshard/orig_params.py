@@ -210,12 +210,6 @@ class OrigParams:
                     g[offset : offset + numel].add_(self._segment_of(self.layout.params[i], t))
             self.grad_none.discard(i)
 
-    def _slice_numels(self, info) -> list[int]:
-        """How many elements of a parameter each rank holding some of it holds (sharded layouts)."""
-        n = self.layout.shard_numel
-        return [hi - lo for r in range(self.world_size)
-                if (lo := max(info.offset, r * n)) < (hi := min(info.offset + info.numel, (r + 1) * n))]
-
     def _own_range(self, i: int) -> tuple[int, int] | None:
         """(offset, numel) of original parameter ``i`` in this rank's shard (the whole buffer under NO_SHARD)."""
         if not self.sharded:
@@ -250,7 +244,9 @@ class OrigParams:
             if own is None:  # none of it here: refuse a non-empty replacement (the same on every rank, then)
                 now = info.module._parameters.get(info.name)  # where a rank holding a slice refuses it
                 if isinstance(now, nn.Parameter) and now is not self.orig_params[i] and now.numel():
-                    bad = [n for n in self._slice_numels(info) if now.shape != torch.Size([n])]
+                    held = (self.layout.slice_on(info, r) for r in range(self.world_size))
+                    bad = [s.numel_in_shard for s in held if s is not None and s.numel_in_shard
+                           and now.shape != torch.Size([s.numel_in_shard])]
                     if bad:
                         self._write_slice(now, self.local_shard, 0, bad[0], info, "parameter")  # raises
                 continue
