@@ -62,11 +62,13 @@ def wrap_fsdp(model: nn.Module, stage: int, zero, dtype, device: torch.device, k
         kw.setdefault("device_id", device)
     return FullyShardedDataParallel(model, sharding_strategy=strategy, **kw)
 
+
 def local_rank(args, global_rank: int) -> int:
     if "LOCAL_RANK" in os.environ:
         return int(os.environ["LOCAL_RANK"])
     local = getattr(args, "local_rank", None)
     return int(local) if local is not None and local >= 0 else global_rank  # no launcher said: one machine
+
 
 def device_for(model: nn.Module, local_rank: int) -> torch.device:
     if dist.get_backend() == "nccl":
@@ -74,6 +76,7 @@ def device_for(model: nn.Module, local_rank: int) -> torch.device:
         return torch.device("cuda", local_rank)
     p = next(iter(model.parameters()), None)
     return p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
+
 
 def param_groups(model: nn.Module, model_parameters) -> list:
     if model_parameters is None:
