@@ -219,7 +219,7 @@ def _group_of_other_ranks(rank, world_size, hybrid):
     import torch.distributed as dist
 
     only_rank0 = dist.new_group([0])  # a placeholder, not a group, on rank 1
-    kw = (dict(sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD, process_group=(only_rank0, dist.group.WORLD))
+    kw = (dict(sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD, process_group=(only_rank0, only_rank0))
           if hybrid else dict(process_group=only_rank0))
     try:
         zs.FSDP(MLP(), **kw)

@@ -97,6 +97,24 @@ def test_ranks_disagreeing_on_fsdp_arguments_detected_at_construction(which, nam
     assert "different layout on different ranks" in msg and f"{name}=" in msg and "Fix" in msg, msg
 
 
+def _hybrid_different_model(rank, world_size):
+    try:
+        zs.FSDP(Other(wide=rank == 3), sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD, fsdp_group_size=2)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_different_models_under_hybrid_sharding_detected_on_every_rank():
+    """Shards {0,1} {2,3}, replicas {0,2} {1,3}; rank 3 wraps another model. Only
+    its shard group compared layouts: ranks 0 and 1 wrapped without error and
+    trained on until a collective timed out, and the error on rank 3 named
+    rank 1 (its index in the shard group). Now every rank raises, naming rank 3."""
+    msgs = spawn(_hybrid_different_model, 4, timeout=120, pg_timeout=20)
+    assert all(m and "different layout on different ranks" in m and "rank 3 has ('b.weight', (6, 4)" in m
+               for m in msgs), msgs
+
+
 def _two_process_groups(rank, world_size, port):
     """Train, destroy the default process group, init a new one (a sweep, a notebook), train again."""
     from datetime import timedelta

@@ -75,7 +75,8 @@ class FlatParamHandle(OrigParams, FullParams):
         validation.check_same_layout(self.layout, dtype, group, unit_name, dict(
             sharding_strategy=strategy.name, use_orig_params=use_orig_params, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, keep_low_precision_grads=keep_low_precision_grads,
-            frozen_parameters=[e[2] for e in entries if not e[3].requires_grad] or None, **(settings or {})))
+            frozen_parameters=[e[2] for e in entries if not e[3].requires_grad] or None, **(settings or {})),
+            replicate_group)
         flat = flatten_params(self.layout, params)
         self.local_shard = shard_of(flat, self.layout) if self.sharded else flat
         del flat

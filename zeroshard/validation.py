@@ -27,36 +27,49 @@ from . import comm, groups
 from .flat_param import FlatLayout, FlatParameter
 
 
-def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings: dict | None = None):
+def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings: dict | None = None,
+                      replicate_group=None):
     """Ranks that wrapped different models would all-gather mismatched
     buffers (garbage or a hang); compare the layouts once, at construction,
     and the ``settings`` that must agree too (sharding strategy,
     use_orig_params, mixed-precision dtypes, which parameters are frozen:
     ranks disagreeing there train on to silently wrong, even non-finite,
-    values, or their collectives mismatch)."""
+    values, or their collectives mismatch). Under hybrid sharding the shard
+    group and the replica group are compared, then the shard group shares
+    what each rank found: a rank that agrees with its whole row and column
+    still learns of a difference elsewhere in the grid, so every rank raises."""
     mine = (str(dtype), [(p.fqn, tuple(p.shape), p.stride) for p in layout.params],  # stride: the memory order flattened
             sorted((k, str(v)) for k, v in (settings or {}).items()))
-    if group.size() == 1:
-        return
-    everyone = comm.gather_objects(mine, group, f"construction (comparing unit '{unit_name}' across ranks)")
-    for r, theirs in enumerate(everyone):
-        if theirs == mine:
-            continue
-        if theirs[0] != mine[0]:
-            diff = f"dtype {theirs[0]} on rank {r} vs {mine[0]} here"
-        elif theirs[2] != mine[2]:
-            (k, a), (_, b) = next((x, y) for x, y in zip(theirs[2], mine[2]) if x != y)
-            diff = f"{k}={a} on rank {r}, {k}={b} on rank {dist.get_rank()}"
-        else:
-            pairs = list(zip(theirs[1], mine[1]))
-            i = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-            a = theirs[1][i] if i < len(theirs[1]) else "nothing"
-            b = mine[1][i] if i < len(mine[1]) else "nothing"
-            diff = f"parameter #{i}: rank {r} has {a}, rank {dist.get_rank()} has {b}"
+    what = f"construction (comparing unit '{unit_name}' across ranks)"
+    diff = _layout_difference(mine, group, what)
+    if replicate_group is not None and replicate_group.size() > 1:
+        across = _layout_difference(mine, replicate_group, what)  # every rank runs both comparisons
+        diff = diff or across
+        diff = next((d for d in comm.gather_objects(diff, group, what) if d), None) if group.size() > 1 else diff
+    if diff is not None:
         raise ValueError(
             f"zeroshard: unit '{unit_name}' has a different layout on different ranks ({diff}). "
             "Fix: build the same model, with the same wrap policy, ignored modules and FSDP arguments, on every rank."
         )
+
+
+def _layout_difference(mine, group, what: str) -> str | None:
+    """The first rank of ``group`` whose layout differs from the group's first rank's, in words."""
+    differs = comm.first_difference(mine, group, what)
+    if differs is None:
+        return None
+    r, first, theirs = differs
+    r0 = dist.get_global_rank(group, 0)
+    if theirs[0] != first[0]:
+        return f"dtype {first[0]} on rank {r0}, {theirs[0]} on rank {r}"
+    if theirs[2] != first[2]:
+        (k, a), (_, b) = next((x, y) for x, y in zip(first[2], theirs[2]) if x != y)
+        return f"{k}={a} on rank {r0}, {k}={b} on rank {r}"
+    pairs = list(zip(first[1], theirs[1]))
+    i = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+    a = first[1][i] if i < len(first[1]) else "nothing"
+    b = theirs[1][i] if i < len(theirs[1]) else "nothing"
+    return f"parameter #{i}: rank {r0} has {a}, rank {r} has {b}"
 
 
 def described(obj):
