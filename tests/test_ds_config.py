@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import os
 import warnings
 
 import pytest
@@ -393,6 +394,47 @@ def test_accelerate_file_forms(tmp_path):
             from_accelerate_config(str(yaml_path))
     else:
         assert from_accelerate_config(str(yaml_path))["sharding_strategy"] == S.SHARD_GRAD_OP
+
+
+LAUNCHER_ENV = {  # what `accelerate launch` exports for an FSDP config (every field; values as it writes them)
+    "ACCELERATE_USE_FSDP": "true", "ACCELERATE_MIXED_PRECISION": "bf16", "FSDP_SHARDING_STRATEGY": "SHARD_GRAD_OP",
+    "FSDP_OFFLOAD_PARAMS": "false", "FSDP_MIN_NUM_PARAMS": "100000000", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
+    "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block", "FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
+    "FSDP_FORWARD_PREFETCH": "true", "FSDP_USE_ORIG_PARAMS": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
+    "FSDP_SYNC_MODULE_STATES": "true", "FSDP_ACTIVATION_CHECKPOINTING": "false"}
+
+
+def test_accelerate_launch_environment_is_read_when_no_config_is_given(monkeypatch):
+    """Inside `accelerate launch` the config reaches the script only as FSDP_* variables;
+    from_accelerate_config() reads them as Accelerate's FullyShardedDataParallelPlugin does."""
+    for name in [n for n in os.environ if n.startswith(("FSDP_", "ACCELERATE_"))]:
+        monkeypatch.delenv(name)
+    model = build("mlp")
+    for name, value in LAUNCHER_ENV.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setenv("FSDP_USE_FULL_PREC_IN_EVAL", "1")  # torch's own variable, not a config field: no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kw = from_accelerate_config(model=model)
+    want = from_accelerate_config({"fsdp_sharding_strategy": "SHARD_GRAD_OP", "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+                                   "fsdp_transformer_layer_cls_to_wrap": "Block", "fsdp_backward_prefetch": "BACKWARD_PRE",
+                                   "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_forward_prefetch": True,
+                                   "fsdp_use_orig_params": False, "mixed_precision": "bf16"}, model=model)
+    assert {k: v for k, v in kw.items() if k != "auto_wrap_policy"} == {k: v for k, v in want.items() if k != "auto_wrap_policy"}
+    assert kw["auto_wrap_policy"].keywords == want["auto_wrap_policy"].keywords == {"transformer_layer_cls": {Block}}
+    assert kw.state_dict_type == zs.StateDictType.SHARDED_STATE_DICT and kw.cpu_ram_efficient_loading
+    # Set by hand (a common recipe): unset variables take the plugin's defaults, not the launcher's.
+    for name in LAUNCHER_ENV:
+        if name not in ("ACCELERATE_USE_FSDP", "FSDP_AUTO_WRAP_POLICY", "FSDP_TRANSFORMER_CLS_TO_WRAP"):
+            monkeypatch.delenv(name)
+    kw = from_accelerate_config(model=model)
+    assert kw["sharding_strategy"] == S.FULL_SHARD and kw["use_orig_params"] is False and "mixed_precision" not in kw
+    assert not kw.cpu_ram_efficient_loading and kw["auto_wrap_policy"].keywords == {"transformer_layer_cls": {Block}}
+    monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP")
+    assert from_accelerate_config(model=model)["auto_wrap_policy"] is None  # FSDP_MIN_NUM_PARAMS unset: 0, no wrapping
+    monkeypatch.delenv("ACCELERATE_USE_FSDP")
+    with pytest.raises(ValueError, match="no config was given and ACCELERATE_USE_FSDP is not true.*Fix: pass the config"):
+        from_accelerate_config(model=model)
 
 
 def _accelerate_vs_hand(rank, world_size):

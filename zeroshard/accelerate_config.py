@@ -10,7 +10,11 @@
 Accepted: the ``fsdp_config`` mapping itself, or a whole Accelerate config
 (``{"distributed_type": "FSDP", "mixed_precision": "bf16", "fsdp_config":
 {...}}``; its launcher keys such as ``num_processes`` are ignored), as a dict
-or a path to a YAML (needs PyYAML) or JSON file.
+or a path to a YAML (needs PyYAML) or JSON file; or nothing, inside ``accelerate launch``: then
+the ``FSDP_*`` environment variables it exports are read (the same fields, upper-cased;
+``FSDP_TRANSFORMER_CLS_TO_WRAP``, ``ACCELERATE_MIXED_PRECISION``), as Accelerate's
+``FullyShardedDataParallelPlugin`` reads them, its defaults for unset variables included
+(``use_orig_params`` and ``cpu_ram_efficient_loading`` false, no size-based wrapping).
 
 | field | values | keyword |
 |---|---|---|
@@ -113,12 +117,33 @@ def _read(config):
     return yaml.safe_load(text)
 
 
-def from_accelerate_config(config, model: nn.Module | None = None) -> FSDPKwargs:
+# What `accelerate launch` exports for FSDP (and scripts set by hand): the variable for each field.
+ENVIRONMENT = {"fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WRAP",
+               "mixed_precision": "ACCELERATE_MIXED_PRECISION",
+               **{k: k.upper() for k in KNOWN if k.startswith("fsdp_") and k != "fsdp_transformer_layer_cls_to_wrap"}}
+# Accelerate's FullyShardedDataParallelPlugin where a variable is unset (the launcher sets them all).
+ENVIRONMENT_DEFAULTS = {"fsdp_use_orig_params": False, "fsdp_cpu_ram_efficient_loading": False, "fsdp_min_num_params": 0}
+
+
+def _from_environment(environ) -> dict:
+    """The ``FSDP_*`` variables ``accelerate launch`` exports, as fsdp_config fields."""
+    if not _bool("ACCELERATE_USE_FSDP", environ.get("ACCELERATE_USE_FSDP", "false")):
+        raise ValueError("zeroshard accelerate config: no config was given and ACCELERATE_USE_FSDP is not true in the "
+                         "environment (the script was not started by `accelerate launch` with FSDP). Fix: pass the "
+                         "config (a dict or a YAML/JSON path), or launch with `accelerate launch --use_fsdp ...`.")
+    fsdp = {k: environ[v] for k, v in ENVIRONMENT.items() if environ.get(v, "").strip()}
+    return {**ENVIRONMENT_DEFAULTS, **fsdp}
+
+
+def from_accelerate_config(config=None, model: nn.Module | None = None) -> FSDPKwargs:
     """Keyword arguments for ``zeroshard.FullyShardedDataParallel`` from an Accelerate FSDP config.
 
+    ``config=None`` reads the environment ``accelerate launch`` sets up (``ACCELERATE_USE_FSDP``,
+    ``FSDP_SHARDING_STRATEGY``, ``FSDP_TRANSFORMER_CLS_TO_WRAP``, ``ACCELERATE_MIXED_PRECISION``, ...),
+    with the defaults of Accelerate's ``FullyShardedDataParallelPlugin`` for unset variables.
     ``model`` is needed to resolve ``fsdp_transformer_layer_cls_to_wrap`` class names.
     """
-    config = _read(config)
+    config = _from_environment(os.environ) if config is None else _read(config)
     if not isinstance(config, dict):
         raise ValueError(f"zeroshard accelerate config: expected a mapping, got {type(config).__name__}. "
                          "Fix: pass the fsdp_config dict, a whole accelerate config dict, or a YAML/JSON path.")
