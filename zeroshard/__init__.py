@@ -19,7 +19,8 @@ The package reads in lifecycle order:
   wrap        -> which submodules become units (auto-wrap policies)
   fully_sharded -> the FullyShardedDataParallel module itself
   mixed_precision -> buffer and forward-input casts (param_dtype: handle; reduce_dtype: reduce)
-  validation  -> checks before sharding (dtype, requires_grad, same layout on all ranks)
+  validation  -> checks before sharding (dtype, requires_grad, owners) and at optimizer steps
+  agreement   -> ranks compared: same layout and settings per unit, same units run (DETAIL)
   grad_norm   -> clip_grad_norm_ over shards
   full_params -> one unit's summon_full_params: its full parameters under their original names
   state_dict  -> summon_full_params over the units, full and sharded (DCP) state dicts

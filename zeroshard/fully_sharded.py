@@ -17,8 +17,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
-from . import (comm_hooks, groups, hooks, local_state, materialize, optim_legacy, optim_load, optim_state, parent_load,
-               validation)
+from . import (agreement, comm_hooks, groups, hooks, local_state, materialize, optim_legacy, optim_load, optim_state,
+               parent_load, validation)
 from . import state_dict as sd
 from . import state_dict_settings as sd_settings
 from .bucket import unit_strategy
@@ -157,7 +157,7 @@ class FullyShardedDataParallel(nn.Module):
                 # Ranks must agree on these too (their collectives), and on where the nested units are: two ranks
                 # that ignored different blocks pair their units up by construction order, relative names equal.
                 settings=dict(backward_prefetch=backward_prefetch, bucket_cap_mb=bucket_cap_mb,
-                              quantized_all_gather=validation.described(quantized_all_gather), hpz_group_size=hpz_group_size,
+                              quantized_all_gather=agreement.described(quantized_all_gather), hpz_group_size=hpz_group_size,
                               nested_units=[n for n, m in module.named_modules() if m in nested] or None),
             )
             self._handle.persistent = self._handle.strategy != strategy

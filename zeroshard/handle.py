@@ -21,7 +21,7 @@ import enum
 import torch
 import torch.nn as nn
 
-from . import comm, trace, validation
+from . import agreement, comm, trace, validation
 from .flat_param import FlatLayout, FlatParameter, FreedView, build_layout, flatten_params, shard_of
 from .full_params import FullParams
 from .options import ShardingStrategy
@@ -72,7 +72,7 @@ class FlatParamHandle(OrigParams, FullParams):
         # views handed to the optimizer and kernels aligned; torch FSDP1 does too.
         align = 16 // self.compute_dtype.itemsize if use_orig_params else 0
         self.layout: FlatLayout = build_layout(entries, aliases, self.world_size, self.rank, align)
-        validation.check_same_layout(self.layout, dtype, group, unit_name, dict(
+        agreement.check_same_layout(self.layout, dtype, group, unit_name, dict(
             sharding_strategy=strategy.name, use_orig_params=use_orig_params, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, keep_low_precision_grads=keep_low_precision_grads,
             frozen_parameters=[e[2] for e in entries if not e[3].requires_grad] or None, **(settings or {})),

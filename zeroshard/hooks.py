@@ -32,7 +32,7 @@ import torch
 from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
-from . import kept, reduce, trace, validation
+from . import agreement, kept, reduce, trace, validation
 from .bucket import Bucketer
 from .handle import RESHARD_AFTER_FORWARD, HandleState
 from .mixed_precision import buffers_for_mode, tensors_in
@@ -354,7 +354,7 @@ def post_backward_final(root):
             post_backward(state, h.flat_param)
     rt.pending += reduce.flush(rt.bucketer)
     reduce.finish_reductions(rt.pending)
-    validation.check_same_order(root)
+    agreement.check_same_order(root)
     for state in rt.states:
         handle = state._handle
         if handle is not None:

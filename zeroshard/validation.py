@@ -1,20 +1,15 @@
 """Checks a unit passes before it is sharded: its ignored states, its compute
 device, parameters no other unit owns, one dtype, one device, uniform
-requires_grad (without use_orig_params), and the same layout on every rank;
-and, at an optimizer's first step, that it was not built over parameters the
-FlatParameters replaced; at every step, that no sharded unit's gradient is
-still the unreduced, unsharded one ``no_sync`` accumulates; and, under
-``TORCH_DISTRIBUTED_DEBUG=DETAIL``, after every backward, that the ranks ran
-the same units forward in the same order and reduced the same ones.
+requires_grad (without use_orig_params); and, at an optimizer's first step,
+that it was not built over parameters the FlatParameters replaced; at every
+step, that no sharded unit's gradient is still the unreduced, unsharded one
+``no_sync`` accumulates. (Checks that compare ranks: ``agreement``.)
 
 A FlatParameter is one tensor, so its parameters must agree on dtype and
-device; ranks whose layouts differ would all-gather mismatched buffers
-(garbage, or a hang), so layouts are compared once, at construction.
+device.
 """
 from __future__ import annotations
 
-import dataclasses
-import os
 import warnings
 import weakref
 
@@ -23,61 +18,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from . import comm, groups
-from .flat_param import FlatLayout, FlatParameter
-
-
-def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings: dict | None = None,
-                      replicate_group=None):
-    """Ranks that wrapped different models would all-gather mismatched
-    buffers (garbage or a hang); compare the layouts once, at construction,
-    and the ``settings`` that must agree too (sharding strategy,
-    use_orig_params, mixed-precision dtypes, which parameters are frozen:
-    ranks disagreeing there train on to silently wrong, even non-finite,
-    values, or their collectives mismatch). Under hybrid sharding the shard
-    group and the replica group are compared, then the shard group shares
-    what each rank found: a rank that agrees with its whole row and column
-    still learns of a difference elsewhere in the grid, so every rank raises."""
-    mine = (str(dtype), [(p.fqn, tuple(p.shape), p.stride) for p in layout.params],  # stride: the memory order flattened
-            sorted((k, str(v)) for k, v in (settings or {}).items()))
-    what = f"construction (comparing unit '{unit_name}' across ranks)"
-    diff = _layout_difference(mine, group, what)
-    if replicate_group is not None and replicate_group.size() > 1:
-        across = _layout_difference(mine, replicate_group, what)  # every rank runs both comparisons
-        diff = diff or across
-        diff = next((d for d in comm.gather_objects(diff, group, what) if d), None) if group.size() > 1 else diff
-    if diff is not None:
-        raise ValueError(
-            f"zeroshard: unit '{unit_name}' has a different layout on different ranks ({diff}). "
-            "Fix: build the same model, with the same wrap policy, ignored modules and FSDP arguments, on every rank."
-        )
-
-
-def _layout_difference(mine, group, what: str) -> str | None:
-    """The first rank of ``group`` whose layout differs from the group's first rank's, in words."""
-    differs = comm.first_difference(mine, group, what)
-    if differs is None:
-        return None
-    r, first, theirs = differs
-    r0 = dist.get_global_rank(group, 0)
-    if theirs[0] != first[0]:
-        return f"dtype {first[0]} on rank {r0}, {theirs[0]} on rank {r}"
-    if theirs[2] != first[2]:
-        (k, a), (_, b) = next((x, y) for x, y in zip(first[2], theirs[2]) if x != y)
-        return f"{k}={a} on rank {r0}, {k}={b} on rank {r}"
-    pairs = list(zip(first[1], theirs[1]))
-    i = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-    a = first[1][i] if i < len(first[1]) else "nothing"
-    b = theirs[1][i] if i < len(theirs[1]) else "nothing"
-    return f"parameter #{i}: rank {r0} has {a}, rank {r} has {b}"
-
-
-def described(obj):
-    """A setting compared across ranks: a dataclass by its fields, another object by its class
-    (its default repr holds a memory address, which differs on every rank)."""
-    if obj is None or dataclasses.is_dataclass(obj):
-        return obj
-    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+from . import groups
+from .flat_param import FlatParameter
 
 
 def check_uniform(entries, use_orig_params: bool, unit_name: str):
@@ -386,29 +328,3 @@ def refuse_outputs_on_the_freed_buffer(handle, outputs) -> None:
                                f"{tuple(t.shape)}), whose memory is freed when the unit reshards after its forward. "
                                "Fix: return a copy (.clone()) or a result computed from them, or keep this module "
                                "inside its parent's unit.")
-
-
-def check_same_order(root) -> None:
-    """``TORCH_DISTRIBUTED_DEBUG=DETAIL`` (where torch FSDP1 compares its forward
-    order across ranks): after each backward the ranks compare the units they ran
-    forward, in order, and the units they reduced. Units of the same shapes pair
-    up silently otherwise: a branch taken on one rank only all-gathers another
-    unit's shards, and a loss using different heads on different ranks sums one
-    head's gradient with another's. One object all-gather per backward."""
-    if os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").upper() != "DETAIL" or root.process_group.size() == 1:
-        return
-    rt = root._runtime
-    path = {id(m): n.replace("_fsdp_wrapped_module.", "") or "<root>" for n, m in root.named_modules()}
-    units = [s for s in rt.states if s._handle is not None]
-    name = {id(s._handle): path.get(id(s), type(s.module).__name__) for s in units}
-    mine = ([name[id(h)] for h in rt.post_forward_order], [name[id(s._handle)] for s in units if s._handle.post_backward_called])
-    differs = comm.first_difference(mine, root.process_group, "TORCH_DISTRIBUTED_DEBUG=DETAIL order check")
-    if differs is not None:
-        r, first, theirs = differs
-        i, what = next((i, w) for i, w in ((0, "ran forward through units"), (1, "reduced the gradients of units"))
-                       if theirs[i] != first[i])
-        raise RuntimeError(
-            f"zeroshard: ranks disagree (TORCH_DISTRIBUTED_DEBUG=DETAIL): rank 0 {what} {first[i]}, rank {r} {what} "
-            f"{theirs[i]}; their collectives paired different units, so the gradients are wrong. Fix: run the same "
-            "units on every rank, and make every output a unit computes part of every rank's loss "
-            "(e.g. + 0 * head_b_out.sum()).")
