@@ -442,3 +442,29 @@ def test_a_replaced_parameter_held_by_one_rank_is_refused_on_every_rank(ranks):
     for _, bias, msg in results:
         assert torch.equal(bias, torch.full((3,), 0.5))
         assert msg and "'out.weight'" in msg and "must keep the shape" in msg, msg
+
+
+def _functional_call(rank, world_size, use_orig_params):
+    import zeroshard as zs
+
+    torch.manual_seed(0)
+    model = zs.FSDP(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), use_orig_params=use_orig_params)
+    x = torch.randn(3, 4)
+    own = model(x).detach()
+    zeros = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # this rank's shapes
+    try:
+        torch.func.functional_call(model, zeros, (x,))
+    except RuntimeError as e:
+        return str(e), torch.equal(model(x).detach(), own)  # the model is left as it was
+    return None, None
+
+
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_functional_call_with_other_tensors_is_refused(ranks, use_orig_params):
+    """torch.func.functional_call swaps plain tensors into the unit's parameters, but the
+    unit computes with its own all-gathered ones: the given values were ignored silently
+    (an output equal to the model's own weights'); torch FSDP1 ignores them with
+    use_orig_params=False too."""
+    for msg, unchanged in ranks.run(2, _functional_call, use_orig_params):
+        assert msg and "functional_call" in msg and "would be ignored" in msg and "Fix: call functional_call on the unwrapped" in msg, msg
+        assert unchanged

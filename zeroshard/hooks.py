@@ -110,6 +110,7 @@ def pre_forward(state):
     if handle.state == HandleState.BACKWARD_PRE:  # recomputation (checkpointing)
         return
     rt = state._runtime
+    validation.refuse_replaced_flat_param(handle)
     handle.state = HandleState.FORWARD
     if rt.first_iter and handle.pre_forward_index is None:
         handle.pre_forward_index = len(rt.pre_forward_order)

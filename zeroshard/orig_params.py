@@ -240,6 +240,7 @@ class OrigParams:
         flat_grad = self.flat_param.grad
         had_grad = flat_grad is not None  # one created below for another parameter says nothing of a None .grad
         for i, info in enumerate(self.layout.params):
+            self._refuse_plain_tensor(info)
             own = self._own_range(i)
             if own is None:  # none of it here: refuse a non-empty replacement (the same on every rank, then)
                 now = info.module._parameters.get(info.name)  # where a rank holding a slice refuses it
@@ -256,8 +257,6 @@ class OrigParams:
             if now is None:
                 continue  # deregistered (e.g. by checkpointing code), as torch skips it
             if now is not p:
-                if not isinstance(now, nn.Parameter):
-                    continue
                 now._zeroshard_unit = self.unit_name
                 self.orig_params[i] = p = now
                 self._write_slice(p, self.local_shard, offset, numel, info, "parameter")
@@ -281,6 +280,18 @@ class OrigParams:
                                    "supported (nor by torch FSDP1). Fix: update the shared parameter in place "
                                    "(p.data.copy_(...)), or untie them before wrapping.")
         self.orig_exposed = False
+
+    def _refuse_plain_tensor(self, info):
+        """A plain tensor in a parameter's place comes from ``torch.func.functional_call`` /
+        ``nn.utils.stateless``: the unit computes with its own gathered parameters, so those
+        values would be ignored silently (torch FSDP1 raises for full shapes)."""
+        now = info.module._parameters.get(info.name)
+        if now is not None and not isinstance(now, nn.Parameter):
+            raise RuntimeError(
+                f"zeroshard: '{info.fqn}' in unit '{self.unit_name}' was replaced by a plain tensor of shape "
+                f"{tuple(now.shape)} (torch.func.functional_call or nn.utils.stateless do this); a unit computes with its "
+                "own all-gathered parameters, so those values would be ignored. Fix: call functional_call on the "
+                "unwrapped module, or copy the values in (p.data.copy_(...) or inside summon_full_params()).")
 
     def _write_slice(self, src: torch.Tensor, dst: torch.Tensor, offset: int, numel: int, info, what: str):
         # Between steps a parameter is this rank's 1-D slice (sharded) or its full shape (NO_SHARD).

@@ -313,6 +313,19 @@ def warn_if_nothing_quantized(states) -> None:
                       "param_persistence_threshold for small units, or fewer ranks per shard group.", stacklevel=4)
 
 
+def refuse_replaced_flat_param(handle) -> None:
+    """``torch.func.functional_call`` / ``nn.utils.stateless`` given ``..._flat_param``
+    (``use_orig_params=False``) swaps it on the module, but the unit all-gathers its own
+    shard: the given values would be ignored silently (torch FSDP1 ignores them)."""
+    host = handle.flat_param_host
+    now = host._parameters.get("_flat_param") if host is not None and not handle.use_orig_params else None
+    if now is not None and now is not handle.flat_param:
+        raise RuntimeError(f"zeroshard: the _flat_param of unit '{handle.unit_name}' was replaced by another tensor "
+                           "(torch.func.functional_call or nn.utils.stateless do this); the unit all-gathers its own "
+                           "shard, so those values would be ignored. Fix: call functional_call on the unwrapped module, "
+                           "or copy the values in (flat_param.data.copy_(...)).")
+
+
 def refuse_outputs_on_the_freed_buffer(handle, outputs) -> None:
     """A unit returning a view of its own parameter (``self.q.expand(b, -1, -1)``)
     hands out memory its reshard is about to free: the next reader segfaults or
