@@ -679,3 +679,56 @@ def _ops_on_the_shard_between_steps(rank, world_size, strategy):
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP"])
 def test_ops_on_the_sharded_flat_parameter_between_steps_train_as_torch(ranks, strategy):
     assert ranks.run(2, _ops_on_the_shard_between_steps, strategy) == [True, True]
+
+
+class RenormBlock(nn.Module):
+    """nn.Embedding(max_norm=...) renormalizes the rows it looks up, in place, in its forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lin = nn.Embedding(11, 6, max_norm=1.0), nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.lin(self.emb(x))
+
+
+def _renorm_model():
+    torch.manual_seed(0)
+    m = nn.Sequential(RenormBlock(), nn.Linear(6, 3))
+    with torch.no_grad():
+        m[0].emb.weight.mul_(3)  # rows above max_norm
+    return m
+
+
+def _edits_made_by_a_no_grad_forward(rank, world_size, strategy, nested, use_orig_params, mp):
+    plain = _renorm_model()
+    model = zs.FSDP(_renorm_model(), sharding_strategy=zs.ShardingStrategy[strategy], use_orig_params=use_orig_params,
+                    auto_wrap_policy=zs.wrap.ModuleWrapPolicy({RenormBlock}) if nested else None,
+                    mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16) if mp else None)
+    xs = [torch.tensor([[1, 2, 3]]), torch.tensor([[1, 2, 4]])]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            for x in xs:
+                model(x), plain(x)
+    said = any("edited in place while it held its gathered bfloat16 copy (by its own forward)" in str(w.message)
+               for w in caught)
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.FULL_STATE_DICT):
+        sd = model.state_dict()
+    return said, torch.equal(sd["0.emb.weight"], plain[0].emb.weight)
+
+
+@pytest.mark.parametrize("strategy,nested", [("FULL_SHARD", True), ("FULL_SHARD", False), ("SHARD_GRAD_OP", True)])
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_edits_a_no_grad_forward_makes_to_its_parameters_last(ranks, strategy, nested, use_orig_params):
+    """The renormalized rows landed in the gathered buffer, which the unit frees right after a
+    no_grad forward: the checkpoint kept the old rows (norms 7.6-8.2 where a plain model has 1.0).
+    torch FSDP1 keeps them only where the unit stays gathered (its root, ZeRO-2) and drops
+    them in a nested FULL_SHARD unit; zeroshard now keeps them everywhere, as a plain model."""
+    for said, equal in ranks.run(2, _edits_made_by_a_no_grad_forward, strategy, nested, use_orig_params, False):
+        assert equal and not said
+
+
+def test_edits_a_no_grad_forward_makes_in_low_precision_are_said_to_be_dropped(ranks):
+    for said, equal in ranks.run(2, _edits_made_by_a_no_grad_forward, "FULL_SHARD", True, True, True):
+        assert said and not equal

@@ -105,6 +105,7 @@ class FlatParamHandle(OrigParams, FullParams):
         self.prefetched = False
         # shard_version() when a forward kept the unit gathered for its backward; None otherwise (see hooks)
         self.kept_version: tuple[int, int, int] | None = None
+        self.forward_version: int | None = None  # flat_param._version as this forward began (kept.keep_forward_edits)
         # A create_graph backward built a graph holding this unit's full parameters, still to be
         # backpropagated: the AccumulateGrad node it feeds, whether the full buffer is kept for it
         # (the FlatParameter pointing at the shard meanwhile) and the shard_version() it holds

@@ -116,6 +116,7 @@ def pre_forward(state):
         handle.pre_forward_index = len(rt.pre_forward_order)
         rt.pre_forward_order.append(handle)
     _unshard_for_compute(state, handle)
+    handle.forward_version = handle.flat_param._version if handle.sharded else None  # (kept.keep_forward_edits)
     _hook_post_backward(state, handle)
     if trace._active:
         trace.span_begin("forward", handle.unit_name)
@@ -212,6 +213,7 @@ def post_forward(state, output):
         free = not keep and not handle.graph_kept
         if free and handle.sharded and handle.unsharded:
             validation.refuse_outputs_on_the_freed_buffer(handle, tensors_in(output))
+            kept.keep_forward_edits(handle)
         handle.reshard(free=free, sharded_views=not zero2_kept)
         if keep and handle.sharded and not recompute:
             handle.kept_version = handle.shard_version()

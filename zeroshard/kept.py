@@ -134,11 +134,28 @@ def _write_back_edits(h) -> bool:
     shard changed too."""
     if not (h.use_orig_params and h.unsharded):
         return False
+    return _copy_own_part(h, "after a forward whose backward never came", "edit the parameters after a backward or "
+                          "under torch.no_grad() forwards, or inside summon_full_params()")
+
+
+def keep_forward_edits(h) -> None:
+    """A forward that edits its parameters in place under no_grad (``nn.Embedding(max_norm=...)``
+    renormalizes the rows it looks up) writes into the gathered buffer, which is freed right
+    after: copy this rank's part back to the shard, so the edit lasts, as in a plain module
+    (torch FSDP1 keeps it only while its root or a ZeRO-2 unit stays gathered)."""
+    if h.forward_version is not None and h.unsharded and h.flat_param._version != h.forward_version:
+        _copy_own_part(h, "by its own forward", "run that forward in full precision or edit the parameters outside "
+                       "forward, inside summon_full_params()")
+    h.forward_version = None
+
+
+def _copy_own_part(h, when: str, fix: str) -> bool:
+    """This rank's chunk of the gathered buffer back into its shard; not where the buffer
+    is no exact copy of the shard (mixed precision, the int8 all-gather): said, and dropped."""
     if h.quant is not None or h._full.dtype != h.local_shard.dtype:
         warnings.warn(f"zeroshard: the parameters of unit '{h.unit_name}' were edited in place while it held its gathered "
                       f"{'int8-gathered' if h.quant is not None else str(h._full.dtype).replace('torch.', '')} copy "
-                      "(after a forward whose backward never came); the edit is discarded. Fix: edit the parameters "
-                      "after a backward or under torch.no_grad() forwards, or inside summon_full_params().", stacklevel=4)
+                      f"({when}); the edit is discarded. Fix: {fix}.", stacklevel=5)
         return False
     start = h.rank * h.layout.shard_numel
     h.local_shard.data.copy_(h._full[start : start + h.layout.shard_numel])  # .data: no version bump
