@@ -1038,3 +1038,35 @@ def _config_differs(rank, world_size, key, values):
 def test_a_config_that_differs_across_ranks_is_refused(ranks, key, values, shown):
     for msg in ranks.run(2, _config_differs, key, values):
         assert msg is None if shown is None else shown in msg and "Fix: give every rank the same config" in msg, msg
+
+
+def _mixed_backward(rank, world_size, stage, how):
+    engine, *_ = _engine(stage, accum=2)
+    before = [p.detach().clone() for p in engine.module.parameters()]
+    x = batch("mlp", rank, 0).requires_grad_(how == "penalty")
+    out = engine(x)
+    loss = out.float().pow(2).mean()
+    if how == "penalty":  # autograd.grad through the model (a gradient penalty) changes no gradient: not refused
+        (g,) = torch.autograd.grad(out.sum(), x, retain_graph=True)
+        loss = loss + g.detach().pow(2).mean()
+    engine.backward(loss)
+    engine.step()
+    out = engine(batch("mlp", rank, 1))
+    if how == "mixed":
+        out.float().pow(2).mean().backward()  # the window's second micro-step, not divided by 2
+        with pytest.raises(RuntimeError, match=r"beside engine\.backward in this accumulation window"):
+            engine.step()
+        return all(torch.equal(a, b) for a, b in zip(before, engine.module.parameters()))
+    engine.backward(out.float().pow(2).mean())
+    engine.step()
+    return engine.global_steps == 1
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("how", ["mixed", "penalty"])
+def test_a_window_mixing_loss_backward_with_engine_backward_is_refused(ranks, stage, how):
+    """engine.backward then loss.backward() in one accumulation window: the direct half
+    was not divided by gradient_accumulation_steps and the step went on, silently wrong.
+    A backward outside the engine that changes no gradient (autograd.grad for a penalty)
+    is not refused."""
+    assert all(ranks.run(2, _mixed_backward, stage, how))

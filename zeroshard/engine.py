@@ -61,6 +61,7 @@ from torch.utils._pytree import tree_map
 from . import comm, data_parallel, ds_checkpoint, ds_stages, grad_norm, materialize
 from .ds_config import ConfigGetters, build_optimizer, load_config
 from .lr_schedules import build_scheduler
+from .mixed_precision import tensors_in
 from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
 from .zero1 import ZeroOneOptimizer
 
@@ -110,6 +111,8 @@ class Engine(ConfigGetters, nn.Module):
         self._step_applied, self._boundary = False, None  # the last boundary's step taken; a set boundary
         self._no_sync = False
         self._backwards = 0  # engine.backward calls since the last optimizer step (see _check_backward)
+        self._in_backward = self._direct = False  # inside engine.backward; a backward outside it changed gradients
+        self._direct_task = None  # the autograd graph task _saw_backward last looked at
         self.dp_world_size = self.world_size
         self.zero1: ZeroOneOptimizer | None = None
         if optimizer is not None and cfg.optimizer is not None:
@@ -179,7 +182,27 @@ class Engine(ConfigGetters, nn.Module):
         if self._input_dtype is not None:
             dtype = self._input_dtype
             inputs, kwargs = tree_map(lambda t: t.to(dtype) if torch.is_tensor(t) and t.is_floating_point() else t, (inputs, kwargs))
-        return self.wrapped(*inputs, **kwargs)
+        out = self.wrapped(*inputs, **kwargs)
+        if torch.is_grad_enabled() and self._backward_does_more():  # see _check_backward
+            for t in tensors_in(out):
+                if t.requires_grad:
+                    t.register_hook(self._saw_backward)
+        return out
+
+    def _saw_backward(self, grad):
+        """A backward reached an output outside engine.backward: if it changes the gradients
+        (``loss.backward()``; not ``autograd.grad`` for a penalty), its step would be wrong."""
+        task = torch._C._current_graph_task_id()
+        if self._in_backward or self._direct or task == self._direct_task:
+            return
+        self._direct_task, before = task, self._grads_now()
+
+        def at_end():  # queued after FSDP's own end-of-backward callback, so its reduced gradients are in
+            self._direct = self._direct or self._grads_now() != before
+        torch.autograd.Variable._execution_engine.queue_callback(at_end)
+
+    def _grads_now(self):
+        return [None if p.grad is None else (id(p.grad), p.grad._version) for p in self.module.parameters()]
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of loss / gradient_accumulation_steps (x the fp16 loss scale);
@@ -187,7 +210,11 @@ class Engine(ConfigGetters, nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss if self.loss_scaler is None else loss.float() * self.loss_scaler.loss_scale
-        scaled.backward(retain_graph=retain_graph)
+        self._in_backward = True
+        try:
+            scaled.backward(retain_graph=retain_graph)
+        finally:
+            self._in_backward = False
         self._backwards += 1
         if self.stage == 0 and self.is_gradient_accumulation_boundary() and not self._no_sync:
             data_parallel.allreduce_gradients(self.module.parameters(), self.world_size)
@@ -233,13 +260,13 @@ class Engine(ConfigGetters, nn.Module):
         self.micro_steps += 1
 
     def _check_backward(self) -> None:
-        """Refuse gradients from ``loss.backward()`` alone where ``engine.backward`` does more (DeepSpeed raises at stage 0)."""
-        needed = self.stage == 0 or self.gradient_accumulation_steps() > 1 or self.loss_scaler is not None
-        if not needed:
+        """Refuse gradients from ``loss.backward()`` where ``engine.backward`` does more (DeepSpeed raises at
+        stage 0): alone in the window, or beside ``engine.backward`` (seen by hooks on the forward's outputs)."""
+        if not self._backward_does_more():
             return
         # Decided by every rank together, at every boundary (a rank may have had no batch): at stages 2/3 a
         # rank whose shard holds only frozen elements sees no gradient where the others do.
-        direct = not self._backwards and any(p.grad is not None for p in self.module.parameters())
+        direct = self._direct or not self._backwards and any(p.grad is not None for p in self.module.parameters())
         got = torch.tensor([direct], dtype=torch.int32, device=self.device)
         if self.world_size > 1:
             comm.all_reduce(got, dist.group.WORLD, op=dist.ReduceOp.MAX, what="step (gradients without engine.backward?)")
@@ -247,15 +274,19 @@ class Engine(ConfigGetters, nn.Module):
             return
         does = ("all-reduces them at stage 0" if self.stage == 0 else "scales the fp16 loss" if self.loss_scaler
                 is not None else "divides the loss by gradient_accumulation_steps")
-        raise RuntimeError(f"zeroshard engine: step() after gradients came from loss.backward() alone; engine.backward(loss) "
+        raise RuntimeError(f"zeroshard engine: step() after gradients came from loss.backward() (alone, or beside engine.backward "
+                           f"in this accumulation window); engine.backward(loss) "
                            f"{does}, so the step would be wrong (DeepSpeed: 'Direct calls to tensor.backward() are not "
                            "supported'). Fix: call engine.backward(loss).")
+
+    def _backward_does_more(self) -> bool:
+        return self.stage == 0 or self.gradient_accumulation_steps() > 1 or self.loss_scaler is not None
 
     def _take_model_step(self, lr_kwargs=None) -> None:
         if self.optimizer is None:
             raise RuntimeError("zeroshard engine: step() without an optimizer. Fix: pass optimizer= or add an 'optimizer' section.")
         self._check_backward()
-        self._backwards = 0
+        self._backwards, self._direct = 0, False
         if self.zero1 is not None:
             self.zero1.reduce_gradients()
             grads = self.zero1.master_grads()
@@ -303,6 +334,7 @@ class Engine(ConfigGetters, nn.Module):
         self._zero_grad()
 
     def _zero_grad(self) -> None:
+        self._direct = False  # the gradients it saw are gone
         if self.zero1 is not None:
             self.zero1.zero_grad()
         elif self.optimizer is not None:
