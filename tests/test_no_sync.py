@@ -205,3 +205,42 @@ def test_summon_between_no_sync_micro_steps_keeps_the_accumulated_grads(ranks, s
                 if a is not None:
                     assert a.shape == b.shape and torch.equal(a, b), f"{what}, {name}: {tuple(a.shape)} vs torch {tuple(b.shape)}"
         assert "Fix: run a synchronizing backward" in seen["zeroshard"][3]
+
+
+def _a_rank_with_nothing_to_learn(rank, world_size, strategy, use_orig_params, skip):
+    g = torch.Generator().manual_seed(rank)
+    xs = [[torch.randn(4, MLP_KW["d_in"], generator=g) for _ in range(2)] for _ in range(3)]
+    seen = {}
+    for engine in ("zeroshard", "torch"):
+        model = _build(engine, strategy, use_orig_params)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        outs = []
+        for step in xs:
+            with model.no_sync():
+                out = model(step[0])
+                if rank == 1:  # e.g. every token masked in this micro-batch
+                    if not skip:
+                        torch.zeros((), requires_grad=True).backward()  # a loss that does not reach the model
+                else:
+                    out.pow(2).mean().backward()
+            out = model(step[1])
+            outs.append(out.detach())
+            out.pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        with tfsdp.FullyShardedDataParallel.summon_full_params(model) if engine == "torch" else \
+                zs.FSDP.summon_full_params(model):
+            seen[engine] = (outs, [p.detach().clone() for p in model.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(seen["zeroshard"][0] + seen["zeroshard"][1],
+                                                 seen["torch"][0] + seen["torch"][1]))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_rank_whose_no_sync_micro_step_does_not_reach_the_model(ranks, use_orig_params, skip):
+    """ZeRO-2 under no_sync: rank 1 has nothing to learn from in its micro-batch (a constant
+    loss, or a backward skipped for it). Its forward flag stayed set where rank 0's backward
+    cleared it, so only rank 1 ran the next forward's stale-unit all-reduce: gloo aborted the
+    process ('Received data size doesn't match'). torch FSDP1 trains on; so does zeroshard,
+    with torch's outputs and parameters."""
+    assert all(ranks.run(2, _a_rank_with_nothing_to_learn, "SHARD_GRAD_OP", use_orig_params, skip, timeout=90))

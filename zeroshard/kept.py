@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import comm, reduce
+from . import comm, reduce, validation
 from .handle import HandleState
 
 
@@ -89,20 +89,27 @@ def drop_stale_kept(rt):
     would compute with the old parameters (torch FSDP1 does). Likewise units
     kept for a create_graph backward's graph. Runs when the root's last
     forward had grad mode and no backward followed, or while such a graph is
-    pending (the same on every rank); each group agrees in one small
-    all-reduce over all its units (fixed size: which units were kept may
-    differ by rank when ranks skip units by their data, and a rank whose
-    shard holds only padding sees no change), so all ranks free the same
-    units."""
-    if not rt.forward_pending and not any(h.graph_kept for h in rt.handles):
+    pending (the same on every rank, except after a forward inside
+    ``no_sync``, whose backward a rank with nothing to learn from may skip:
+    then nothing can be stale unless an optimizer stepped since, and no step
+    may follow such a backward before a synchronizing one); each group
+    agrees in one small all-reduce over all its units (fixed size: a rank whose
+    shard holds only padding sees no change), and a unit that is stale, or not
+    gathered, on any rank is freed on all, so all ranks gather the same units
+    next (which units were kept differs by rank when ranks skip units by their
+    data, or skip a ``no_sync`` backward that would have kept them)."""
+    graph_kept = any(h.graph_kept for h in rt.handles)
+    if not rt.forward_pending and not graph_kept:
         return
     rt.forward_pending = False
+    if rt.no_sync_forward_steps == validation.optimizer_steps[0] and not graph_kept:
+        return  # a forward inside no_sync, no step since: nothing is stale, and the flag may be set on this rank only
     groups = {}
     for h in rt.handles:
         if h.sharded:
             groups.setdefault(h.group, []).append(h)
     for group, hs in groups.items():
-        changed = torch.tensor([float(_stale(h)) for h in hs], device=hs[0].device)
+        changed = torch.tensor([float(not h.unsharded or _stale(h)) for h in hs], device=hs[0].device)
         comm.all_reduce(changed, group, op=dist.ReduceOp.MAX, what="checking whether units kept from the last forward are stale")
         for h, c in zip(hs, changed.tolist()):
             if c and h.unsharded:
