@@ -62,6 +62,35 @@ def test_shard_and_scatter_full_optim_state_dict(ranks, use_orig_params):
     assert all(ranks.run(3, _full_to_shards, use_orig_params))
 
 
+def _two_groups_without_optim(rank, world_size, use_orig_params):
+    (ref, ours), _ = _engines("mlp", use_orig_params)
+    opts = []
+    for m in (ref, ours):  # two groups in model order, different settings
+        ps = list(m.parameters())
+        opts.append(torch.optim.AdamW([{"params": ps[:1], "lr": 1e-2}, {"params": ps[1:], "lr": 3e-3, "weight_decay": 0.1}]))
+    for step in range(2):
+        for m, o in zip((ref, ours), opts):
+            _step(m, o, "mlp", rank, step)
+    full_t = _torch_osd(ref, opts[0])
+    full_z = zs.FSDP.full_optim_state_dict(ours, opts[1], rank0_only=False)
+    local = opts[1].state_dict()
+    # torch's documented flow passes no optimizer: the dict's own groups number the parameters.
+    _assert_local_equal(local, zs.FSDP.shard_full_optim_state_dict(full_z, ours))
+    _assert_local_equal(local, zs.FSDP.scatter_full_optim_state_dict(full_z if rank == 0 else None, ours))
+    if not use_orig_params:  # (torch's use_orig_params=True full dict is wrong on CPU: exp_avg == exp_avg_sq)
+        _assert_local_equal(_quiet(TF.shard_full_optim_state_dict, full_t, ref),
+                            zs.FSDP.shard_full_optim_state_dict(full_t, ours))
+    return True
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_shard_and_scatter_without_optim_keep_the_saved_param_groups(ranks, use_orig_params):
+    """Without optim= the parameters were numbered as one group over model.parameters(), so a
+    dict with two groups was refused ('2 param groups but the optimizer has 1', naming a wrong
+    fix); torch keeps the saved groups, and so does zeroshard now."""
+    assert all(ranks.run(2, _two_groups_without_optim, use_orig_params))
+
+
 def _sharded_round_trip(rank, world_size, use_orig_params):
     from torch.distributed.tensor import DTensor
 

@@ -54,6 +54,12 @@ def _optim_or_params(model: nn.Module, optim_input, optim):
     return SimpleNamespace(param_groups=[{"params": list(model.parameters())}])
 
 
+def _saved_groups_unless(model: nn.Module, optim_input, optim):
+    """For a load: None (the saved dict's param groups, over the model's parameters: see
+    ``optim_load``) unless the optimizer or its ``optim_input`` is given."""
+    return None if optim is None and optim_input is None else _optim_or_params(model, optim_input, optim)
+
+
 def check_optim_input(model: nn.Module, optim_input, optim) -> None:
     """``full_optim_state_dict``'s deprecated ``optim_input``: accepted (with
     torch's warning) when it lists the optimizer's own parameters."""
@@ -67,8 +73,9 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, gro
 
 
 def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module, optim_input=None, optim=None) -> dict:
-    """A FULL optimizer state dict (held by every rank) cut to this rank's shards; no communication."""
-    target = _optim_or_params(model, optim_input, optim)
+    """A FULL optimizer state dict (held by every rank) cut to this rank's shards; no communication.
+    Without ``optim`` / ``optim_input`` the dict's own param groups number the parameters, as in torch."""
+    target = _saved_groups_unless(model, optim_input, optim)
     return optim_load.optim_state_dict_to_load(model, target, full_optim_state_dict, rank0_only=False, agree=False)
 
 
@@ -76,7 +83,7 @@ def scatter_full_optim_state_dict(full_optim_state_dict: dict | None, model: nn.
                                   group=None) -> dict:
     """Like :func:`shard_full_optim_state_dict`, but only rank 0 holds the dict
     (others pass None or {}): its states are broadcast one at a time."""
-    target = _optim_or_params(model, optim_input, optim)
+    target = _saved_groups_unless(model, optim_input, optim)
     return optim_load.optim_state_dict_to_load(model, target, full_optim_state_dict, group, rank0_only=True)
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -127,13 +128,15 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     if rank0_only is None:
         rank0_only = _settings(model)[1]
     index = _param_index(model)
-    params = _optim_params(optim)
-    source = None
+    params, source = _optim_params(optim) if optim is not None else [], None
     try:  # checked on every rank before any state is fetched (see _agree)
         if rank0_only:  # collective: rank 0 broadcasts what it holds
             source = _Rank0States(optim_state_dict, group, units_of(model)[0].compute_device)
         else:
             source = _FullStates(optim_state_dict)
+        if optim is None:
+            optim = _saved_groups_over(model, index, source.param_groups)
+            params = _optim_params(optim)
         fqn_groups = [_fqns(index, p, "optim_state_dict_to_load") for p in params]
         groups, problem = _param_groups(source.param_groups, optim, fqn_groups), None
     except ValueError as e:
@@ -171,6 +174,20 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     if named:
         return _by_name(model, optim, params, state, groups, empty_shard)
     return {"state": state, "param_groups": groups}
+
+
+def _saved_groups_over(model: nn.Module, index: dict, saved_groups: list) -> SimpleNamespace:
+    """No optimizer given (torch's older calls allow it): the saved groups, each name turned into
+    the model parameter holding it (a FlatParameter once), as torch numbers them."""
+    holder = {}
+    for p in model.parameters():
+        kind, _, _, names = index[id(p)]
+        holder.update((n, p) for n in (names if kind == "flat" else [names]))
+    groups = []
+    for saved in saved_groups:
+        held = [holder[n] for n in saved["params"] if n in holder]  # unknown names: _param_groups names them
+        groups.append({"params": [p for i, p in enumerate(held) if all(q is not p for q in held[:i])]})
+    return SimpleNamespace(param_groups=groups)
 
 
 def _param_groups(saved_groups: list, optim, fqn_groups: list) -> list:
