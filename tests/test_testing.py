@@ -172,16 +172,29 @@ class Counting(nn.Module):
 
 def make_counting():
     return Counting()
+
+
+def make_needs_arg(d):
+    return nn.Linear(d, d)
+
+
+def make_not_a_module():
+    return 42
+
+
+def make_conv():  # no input to guess for a Conv2d
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten())
 '''
 
 
 def test_cli_reports_parity_and_a_difference(tmp_path):
     (tmp_path / "cli_models.py").write_text(textwrap.dedent(CLI_MODULE))
     ok = subprocess.run([sys.executable, "-m", "zeroshard.testing", "parity", "cli_models:make_model", "--wrap-class", "Block",
-                         "--steps", "2", "--use-orig-params", "--clip", "0.1"],
+                         "--steps", "2", "--use-orig-params", "--clip", "0.1", "--prefetch", "NONE", "--no-limit-all-gathers"],
                         cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "bit-identical over 2 steps on 2 ranks" in ok.stdout and "auto_wrap_policy={Block}" in ok.stdout, ok.stdout
+    assert "backward_prefetch=None" in ok.stdout and "limit_all_gathers=False" in ok.stdout, ok.stdout  # were left out
     grads = int(ok.stdout.split("gradient shards")[1].split()[0])
     assert grads > 2 * 12, ok.stdout  # 12 parameters per step, some split over both ranks
     bad = subprocess.run([sys.executable, "-m", "zeroshard.testing", "parity", "cli_models:make_counting", "--steps", "1",
@@ -191,6 +204,12 @@ def test_cli_reports_parity_and_a_difference(tmp_path):
     assert "differ at step 0, output of 'output'" in bad.stdout, bad.stdout
     usage = subprocess.run([sys.executable, "-m", "zeroshard.testing"], capture_output=True, text=True, timeout=60)
     assert usage.returncode == 2 and "parity" in usage.stderr
+    # A factory that cannot build the model is a usage error (2), not a difference (1): they all exited 1.
+    for factory, said in (("make_needs_arg", "raised TypeError"), ("make_not_a_module", "returned int, not an nn.Module"),
+                          ("make_conv", "cannot guess an input")):
+        out = subprocess.run([sys.executable, "-m", "zeroshard.testing", "parity", f"cli_models:{factory}", "--world-size", "1"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=240)
+        assert out.returncode == 2 and said in out.stderr and "Traceback" not in out.stderr, (factory, out.stderr)
 
 
 # ------------------------------------------------------------------ the launchers' own failures
@@ -241,7 +260,8 @@ def _returns_rank(rank, world_size):
 
 
 def test_cli_usage_errors_exit_2_before_any_rank_starts():
-    for argv in (["parity", "nosuchmod:make_model"], ["parity", "models:MLP", "--wrap", "transformer"]):
+    for argv in (["parity", "nosuchmod:make_model"], ["parity", "models:MLP", "--wrap", "transformer"],
+                 ["parity", "models:MLP", "--world-size", "0"], ["parity", "models:MLP", "--steps", "0"]):  # IndexError before
         out = subprocess.run([sys.executable, "-m", "zeroshard.testing", *argv], capture_output=True, text=True,
                              timeout=120, cwd=str(__import__("pathlib").Path(__file__).parent))
         assert out.returncode == 2 and "error:" in out.stderr and "Traceback" not in out.stderr, out.stderr

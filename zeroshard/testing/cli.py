@@ -6,7 +6,8 @@ zeroshard and by torch FSDP1 under the same configuration, compared bit for bit
 (forward outputs, gradient shards, parameter shards after each optimizer step,
 the final FULL state dict). Prints a report; exit status 0 when everything was
 equal, 1 at the first difference (named: step, output/grad/param, parameter,
-max |diff|), 2 for usage errors.
+max |diff|), 2 for usage errors (options, a factory that cannot be imported, raises,
+returns no module, or builds a model whose input cannot be guessed without --input).
 
     python -m zeroshard.testing parity mymodels:make_model --world-size 2 \\
         --strategy FULL_SHARD --wrap-class Block --steps 3
@@ -24,7 +25,7 @@ import sys
 
 import torch
 
-from .parity import ParityError, assert_parity
+from .parity import ParityError, assert_parity, default_input
 from .ranks import spawn
 
 
@@ -40,12 +41,34 @@ def resolve(spec: str, default_module: str | None = None):
     return obj
 
 
+class _FactoryProblem(Exception):
+    """The factory raised, returned something else than a module, or its model's input cannot be guessed:
+    a usage error (exit 2), not a difference between the engines (exit 1)."""
+
+
+def _checked(make_model, spec: str, guess_input: bool):
+    def build():
+        try:
+            model = make_model()
+        except Exception as e:  # noqa: BLE001 - whatever the user's factory raises
+            raise _FactoryProblem(f"the factory {spec} raised {type(e).__name__}: {e}") from e
+        if not isinstance(model, torch.nn.Module):
+            raise _FactoryProblem(f"the factory {spec} returned {type(model).__name__}, not an nn.Module")
+        if guess_input:
+            try:
+                default_input(model)
+            except ValueError as e:
+                raise _FactoryProblem(f"{e} (on the command line: --input module:fn)") from e
+        return model
+    return build
+
+
 def cli_rank(rank, world_size, args: dict):
     """What each rank runs for ``python -m zeroshard.testing parity`` (args: its parsed options)."""
     if args["cwd"] not in sys.path:
         sys.path.insert(0, args["cwd"])
     factory_module = args["factory"].rpartition(":")[0]
-    make_model = resolve(args["factory"])
+    make_model = _checked(resolve(args["factory"]), args["factory"], guess_input=not args["input"])
     classes = {resolve(c, factory_module) for c in args["wrap_class"]}
     policy = {"none": None, "module": classes or None, "transformer": ("transformer", classes) if classes else None,
               "size": args["min_num_params"]}[args["wrap"] or ("module" if classes else "none")]
@@ -67,10 +90,15 @@ def cli_rank(rank, world_size, args: dict):
         return {"ok": True, "report": str(assert_parity(make_model, **kw))}
     except ParityError as e:
         return {"ok": False, "report": str(e), "name": e.name, "what": e.what, "step": e.step}
+    except _FactoryProblem as e:  # before any collective, on every rank alike
+        return {"ok": False, "usage": str(e)}
 
 
 def _usage_problem(args: dict) -> str | None:
     """What makes these options unusable, found here before any rank starts."""
+    for flag in ("world_size", "steps"):
+        if args[flag] < 1:
+            return f"--{flag.replace('_', '-')} must be at least 1, got {args[flag]}"
     if args["wrap"] in ("module", "transformer") and not args["wrap_class"]:
         return f"--wrap {args['wrap']} needs at least one --wrap-class NAME"
     if args["cwd"] not in sys.path:
@@ -124,5 +152,9 @@ def main(argv=None) -> int:
         print(f"zeroshard.testing parity: the run failed before a verdict:\n{e}", file=sys.stderr)
         return 1
     verdict = results[0]
+    if "usage" in verdict:
+        p.print_usage(sys.stderr)
+        print(f"python -m zeroshard.testing parity: error: {verdict['usage']}", file=sys.stderr)
+        return 2
     print(verdict["report"])
     return 0 if verdict["ok"] else 1

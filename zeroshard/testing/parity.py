@@ -343,7 +343,9 @@ def assert_parity(
     make_optimizer = make_optimizer or default_optimizer
     models = {e: wrap_with(e, copy.deepcopy(base), config) for e in ENGINES}
     del base
-    shown = {k: _show(v) for k, v in config.items() if k not in ("group", "fsdp_kwargs") and v not in (None, False, {})}
+    # What was set: values other than None / False / {}, and the two whose default is on (prefetch, the rate limit).
+    shown = {k: _show(v) for k, v in config.items() if k not in ("group", "fsdp_kwargs")
+             and (v not in (None, False, {}) or k in ("backward_prefetch", "limit_all_gathers"))}
     if world == 1 and shown.get("sharding_strategy") not in (None, "NO_SHARD"):
         shown["sharding_strategy"] += " (NO_SHARD on 1 rank, in both engines)"
     report = ParityReport(world_size=world, steps=steps, config=shown)
