@@ -573,6 +573,14 @@ def test_consolidate_cli_errors_are_one_line_and_checked_first(tmp_path, capsys)
              "under a file": ([ckpt, str(tmp_path / "afile" / "o.pt")], "which is not a directory"),
              "a directory": ([ckpt, str(tmp_path)], "is a directory"),
              "no such key": ([ckpt, str(tmp_path / "o.pt"), "--key", "nope"], "has no top-level 'nope'")}
+    # Damaged after its save: DCP's CheckpointException (a BaseException) came out as a traceback.
+    import shutil
+    for name, damage in (("garbled metadata", lambda d: (d / ".metadata").write_text("garbage")),
+                         ("a data file gone", lambda d: [f.unlink() for f in d.glob("*.distcp")])):
+        broken = tmp_path / name.replace(" ", "_")
+        shutil.copytree(ckpt, broken)
+        damage(broken)
+        cases[name] = ([str(broken), str(tmp_path / "o.pt")], "is missing, truncated or corrupt")
     for name, (argv, said) in cases.items():
         with pytest.raises(SystemExit) as info:
             consolidate.main(argv)

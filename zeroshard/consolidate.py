@@ -16,10 +16,12 @@ any world size.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.utils._pytree import tree_leaves
 
@@ -43,7 +45,13 @@ def consolidate(ckpt_dir: str, out_path: str, key: str | None = None) -> dict:
     os.makedirs(parent, exist_ok=True)  # checked before reading the whole checkpoint
     tmp = out_path + ".full.tmp"
     # DCP's own offline loader: reads every chunk and places it at its offsets.
-    dcp_to_torch_save(ckpt_dir, tmp)
+    try:
+        dcp_to_torch_save(ckpt_dir, tmp)
+    except CheckpointException as e:  # a BaseException: `except Exception` lets it through
+        causes = "; ".join(f"{type(x).__name__}: {x}" for x, _ in e.failures.values()) or str(e)
+        raise RuntimeError(f"zeroshard.consolidate: reading the checkpoint '{ckpt_dir}' failed ({causes}). Its .metadata "
+                           "or a data file it names is missing, truncated or corrupt. Fix: consolidate another "
+                           "checkpoint (save_sharded only swaps in complete ones).") from None
     try:
         state = torch.load(tmp, weights_only=False)
     finally:
@@ -63,10 +71,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", help="output file (torch.save format)")
     parser.add_argument("--key", default=None, help="keep only this top-level entry (e.g. model, or optim for the FULL optimizer state dict)")
     args = parser.parse_args(argv)
+    logging.disable(logging.WARNING)  # DCP logs a damaged .metadata's traceback on the root logger; the error says it
     try:
         state = consolidate(args.ckpt_dir, args.out, args.key)
-    except (OSError, KeyError) as e:  # the message names the path and the fix: no traceback
+    except (OSError, KeyError, RuntimeError) as e:  # the message names the path and the fix: no traceback
         parser.exit(1, f"{e.args[0] if isinstance(e, KeyError) else e}\n")
+    finally:
+        logging.disable(logging.NOTSET)
     elements = sum(t.numel() for t in tree_leaves(state) if torch.is_tensor(t))  # an optimizer's sit two levels down
     print(f"wrote {args.out}: {len(state)} entries, {elements} elements", file=sys.stderr)
     return 0
