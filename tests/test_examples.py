@@ -219,3 +219,18 @@ def test_walkthrough_api_table_covers_torch_fsdp1():
                 assert all(k in line for k in torch_kw), f"row of {name} must list {torch_kw}"
                 if support == "yes":
                     assert set(torch_kw) <= set(params(getattr(Z, name))), f"{name}: a keyword is missing in zeroshard"
+
+
+@pytest.mark.parametrize("module,flag", [("zeroshard.examples.mnist_digits", "--world-size"),
+                                         ("zeroshard.examples.mnist_digits", "--epochs"),
+                                         ("zeroshard.examples.ddp_template", "--steps"),
+                                         ("zeroshard.examples.transformer", "--world-size"),
+                                         ("zeroshard.examples.hfai_style", "--steps"),
+                                         ("zeroshard.examples.hybrid_torchrun", "--steps"),
+                                         ("zeroshard", "demo --world-size"), ("zeroshard", "demo --steps"),
+                                         ("zeroshard", "demo --ctx")])
+def test_counts_below_one_are_usage_errors(module, flag):
+    """--world-size 0 ran nothing and exited 0 (mnist), or crashed with an IndexError after
+    the run (demo, transformer); --steps 0 likewise."""
+    rc, out = run(["-m", module, *flag.split(), "0"], timeout=120)
+    assert rc == 2 and "error:" in out and "Traceback" not in out, out

@@ -302,3 +302,12 @@ def test_a_rank_that_dies_is_named_not_timed_out():
 
 def _rank_and_size(rank, world_size):
     return rank, world_size
+
+
+def test_no_ranks_is_refused():
+    """spawn(fn, 0) returned [] without running anything."""
+    for bad in (0, -1, 2.0):
+        with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+            spawn(_returns_rank, bad)
+        with pytest.raises(ValueError, match="world_size must be an int >= 1"):
+            RankPool(bad)

@@ -38,8 +38,9 @@ import torch.nn.functional as F
 
 import zeroshard as fsdp
 from zeroshard import checkpoint
-from zeroshard.optim_state import init_optim_state
 from zeroshard.demo import _batches, load_text
+from zeroshard.examples import at_least_one
+from zeroshard.optim_state import init_optim_state
 from zeroshard.testing import spawn
 from zeroshard.wrap import transformer_auto_wrap_policy
 
@@ -143,8 +144,8 @@ def run(rank, world_size, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zeroshard.examples.transformer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--world-size", type=at_least_one, default=2)
+    p.add_argument("--steps", type=at_least_one, default=40)
     p.add_argument("--save-at", type=int, default=20, help="save the checkpoint after this many steps")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--ctx", type=int, default=32)

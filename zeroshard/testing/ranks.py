@@ -95,6 +95,12 @@ def _worker(rank, world_size, port, fn, args, results, pg_timeout, threads):
             dist.destroy_process_group()
 
 
+def _check_world_size(world_size, what: str) -> None:
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"zeroshard.testing.{what}: world_size must be an int >= 1, got {world_size!r} "
+                         "(with 0 nothing would run and the result would be empty).")
+
+
 def spawn(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float = 60.0, threads: int = 1):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
@@ -104,6 +110,7 @@ def spawn(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float 
     (If every failing rank failed an assertion, a ``ParityError`` say, that
     assertion is raised instead, with every rank's traceback as a note.)
     """
+    _check_world_size(world_size, "spawn")
     _check_sendable(fn, args, "spawn")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
@@ -178,6 +185,7 @@ class RankPool:
     """
 
     def __init__(self, world_size: int, pg_timeout: float = 60.0, threads: int = 1):
+        _check_world_size(world_size, "RankPool")
         self.world_size, self._settings = world_size, (pg_timeout, threads)
         self._start()
 
