@@ -5,6 +5,7 @@ would all-gather mismatched buffers (garbage, or a hang): each unit's layout
 and settings are compared once, at construction. Under
 ``TORCH_DISTRIBUTED_DEBUG=DETAIL``, after every backward, the ranks also
 compare the units they ran forward, in order, and the ones they reduced.
+``zeroshard.initialize`` compares its parsed DeepSpeed config.
 """
 from __future__ import annotations
 
@@ -94,3 +95,24 @@ def check_same_order(root) -> None:
             f"{theirs[i]}; their collectives paired different units, so the gradients are wrong. Fix: run the same "
             "units on every rank, and make every output a unit computes part of every rank's loss "
             "(e.g. + 0 * head_b_out.sum()).")
+
+
+def check_same_config(cfg) -> None:
+    """``zeroshard.initialize``: every rank must train with one config: a different stage, accumulation or
+    precision mismatches collectives (a timeout or an abort naming unrelated ones),
+    a different clipping or optimizer drifts the replicas apart silently (collective)."""
+    ignored = ("raw.", "steps_per_print", "wall_clock_breakdown", "zero.not_acted_on.")  # no effect on training
+    mine = {k: repr(v) for k, v in _flat(dataclasses.asdict(cfg), "").items() if not k.startswith(ignored)}
+    differs = comm.first_difference(mine, None, "initialize (comparing the config across ranks)")
+    if differs is not None:
+        r, first, theirs = differs
+        key = next(k for k in sorted(set(first) | set(theirs)) if first.get(k) != theirs.get(k))
+        raise ValueError(f"zeroshard.initialize: config {key} is {first.get(key, 'not set')} on rank 0 but "
+                         f"{theirs.get(key, 'not set')} on rank {r}. Fix: give every rank the same config.")
+
+
+def _flat(d: dict, prefix: str) -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
+    return out

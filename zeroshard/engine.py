@@ -49,7 +49,6 @@ written atomically; see ``ds_checkpoint``.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import os
 
@@ -58,7 +57,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.utils._pytree import tree_map
 
-from . import comm, data_parallel, ds_checkpoint, ds_stages, grad_norm, materialize
+from . import agreement, comm, data_parallel, ds_checkpoint, ds_stages, grad_norm, materialize
 from .ds_config import ConfigGetters, build_optimizer, load_config
 from .lr_schedules import build_scheduler
 from .mixed_precision import tensors_in
@@ -105,7 +104,7 @@ class Engine(ConfigGetters, nn.Module):
         self.stage, dtype = cfg.zero.stage, cfg.low_precision_dtype
         self.device = ds_stages.device_for(model, self.local_rank)  # before any collective: NCCL's device
         if self.world_size > 1:
-            _check_same_config(cfg)
+            agreement.check_same_config(cfg)
         self.micro_steps = self.global_steps = self.global_samples = self.skipped_steps = 0
         self._global_grad_norm = None
         self._step_applied, self._boundary = False, None  # the last boundary's step taken; a set boundary
@@ -387,24 +386,3 @@ class Engine(ConfigGetters, nn.Module):
         """Returns ``(load_path, client_state)``, or ``(None, None)`` with a warning if there is no checkpoint."""
         return ds_checkpoint.load(self, load_dir, tag, load_module_strict, load_optimizer_states,
                                   load_lr_scheduler_states, load_module_only)
-
-
-def _check_same_config(cfg) -> None:
-    """Every rank must train with one config: a different stage, accumulation or
-    precision mismatches collectives (a timeout or an abort naming unrelated ones),
-    a different clipping or optimizer drifts the replicas apart silently (collective)."""
-    ignored = ("raw.", "steps_per_print", "wall_clock_breakdown", "zero.not_acted_on.")  # no effect on training
-    mine = {k: repr(v) for k, v in _flat(dataclasses.asdict(cfg), "").items() if not k.startswith(ignored)}
-    differs = comm.first_difference(mine, None, "initialize (comparing the config across ranks)")
-    if differs is not None:
-        r, first, theirs = differs
-        key = next(k for k in sorted(set(first) | set(theirs)) if first.get(k) != theirs.get(k))
-        raise ValueError(f"zeroshard.initialize: config {key} is {first.get(key, 'not set')} on rank 0 but "
-                         f"{theirs.get(key, 'not set')} on rank {r}. Fix: give every rank the same config.")
-
-
-def _flat(d: dict, prefix: str) -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
-    return out
