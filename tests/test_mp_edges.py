@@ -437,3 +437,47 @@ def test_a_buffer_reassigned_in_forward_keeps_its_original_dtype(ranks):
     under FSDP_USE_FULL_PREC_IN_EVAL=1 used the bf16 buffer (other outputs).
     torch remembers it by buffer name; so does zeroshard now."""
     assert all(ranks.run(2, _reassigned_buffer))
+
+
+class Ids(nn.Module):
+    """A frozen integer parameter (token ids, a permutation), read as indices."""
+
+    def __init__(self):
+        super().__init__()
+        self.ids = nn.Parameter(torch.tensor([3, 257, 1001, 4099]), requires_grad=False)
+
+    def forward(self, x):
+        self.seen = self.ids.detach().clone()
+        return x + self.ids.to(x.dtype).sum() * 0
+
+
+class Phase(nn.Module):
+    """A complex weight (a learned phase), trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.tensor([1 + 2j, 3 - 1j, 0.5j, 2 + 0j], dtype=torch.complex64))
+
+    def forward(self, x):
+        self.seen = self.w.detach().clone()
+        return (x.to(torch.complex64) * self.w).real
+
+
+def _non_float_units(rank, world_size, use_orig_params):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), Ids(), Phase())
+    ids, w = model[1].ids.clone(), model[2].w.detach().clone()
+    model = zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Ids, Phase}), use_orig_params=use_orig_params,
+                    mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16))
+    model(torch.randn(2, 4)).sum().backward()
+    inner = [m for m in model.modules() if isinstance(m, (Ids, Phase))]
+    norm = model.clip_grad_norm_(1.0)
+    return (torch.equal(inner[0].seen, ids), torch.equal(inner[1].seen, w), norm.dtype == torch.float32 and norm.isfinite().item())
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_integer_and_complex_units_stay_out_of_mixed_precision(ranks, use_orig_params):
+    """MixedPrecision(param_dtype=bf16) cast them with the float units: ids [3, 257, 1001, 4099]
+    computed as [3, 256, 1000, 4096], a complex weight lost its imaginary part (torch FSDP1
+    refuses such units). clip_grad_norm_ over a complex gradient failed in vector_norm."""
+    assert ranks.run(2, _non_float_units, use_orig_params) == [(True, True, True)] * 2

@@ -176,6 +176,41 @@ def test_cast_after_wrapping_as_torch(ranks, strategy, use_orig_params):
     assert all(ranks.run(2, _cast_after_wrapping, strategy, use_orig_params))
 
 
+class Scaled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 1.5))
+
+    def forward(self, x):
+        self.seen = self.scale.dtype
+        return self.lin(x) * self.scale
+
+
+def _cast_after_a_step_with_buffer_dtype(rank, world_size, use_orig_params):
+    import zeroshard as zs
+
+    torch.manual_seed(0)
+    m = zs.FSDP(Scaled(), use_orig_params=use_orig_params,
+                mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    m(torch.randn(2, 4)).float().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    m.double()  # between steps: zeroshard follows it (torch FSDP1 keeps its float32 shards)
+    m(torch.randn(2, 4, dtype=torch.float64)).float().sum().backward()
+    sd = _full(m)
+    return m.module.seen, sd["lin.weight"].dtype, sd["scale"].dtype
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_a_cast_after_a_step_keeps_buffers_in_buffer_dtype(ranks, use_orig_params):
+    """The buffers left buffer_dtype (computed in float64) and the state dict gave the
+    buffer in float32, the dtype remembered at the first forward, beside float64 weights."""
+    assert ranks.run(2, _cast_after_a_step_with_buffer_dtype, use_orig_params) == \
+        [(torch.bfloat16, torch.float64, torch.float64)] * 2
+
+
 def _local_value(v):
     if type(v).__name__ == "ShardedTensor":
         shards = v.local_shards()

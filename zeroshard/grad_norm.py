@@ -23,7 +23,9 @@ def _local_norm(params, norm_type: float, device) -> torch.Tensor:
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return torch.tensor(0.0, device=device)
-    per_tensor = [torch.linalg.vector_norm(g.detach(), norm_type, dtype=torch.float32) for g in grads]
+    # A complex gradient's norm is its magnitudes' (vector_norm refuses a real dtype for complex input).
+    per_tensor = [torch.linalg.vector_norm(g.detach().abs() if g.is_complex() else g.detach(), norm_type, dtype=torch.float32)
+                  for g in grads]
     return torch.linalg.vector_norm(torch.stack(per_tensor), norm_type, dtype=torch.float32).to(device)
 
 
@@ -41,7 +43,7 @@ def clip_grad_norm_(root, max_norm: float, norm_type: float = 2.0) -> torch.Tens
         warnings.warn(f"Called FSDP.clip_grad_norm_() on rank {root.rank} with no gradients -- returning the total "
                       f"norm in the default dtype {total.dtype}", stacklevel=4)
         return total
-    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
+    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]).to_real())  # a norm is real
 
 
 @torch.no_grad()

@@ -155,7 +155,8 @@ class FlatParamHandle(OrigParams, FullParams):
         # Mixed precision: the shard (the optimizer's master copy) keeps its
         # dtype; all-gather, forward and backward run in compute_dtype and the
         # gradient is reduced in reduce_dtype (param_dtype if only it is given).
-        param_dtype, reduce_dtype = self._mp_dtypes
+        # Integer and complex units stay out of it (a cast would round ids, drop imaginary parts).
+        param_dtype, reduce_dtype = self._mp_dtypes if dtype.is_floating_point else (None, None)
         self.dtype = dtype
         self.compute_dtype = param_dtype or dtype
         self.reduce_dtype = reduce_dtype or param_dtype or dtype
@@ -184,7 +185,7 @@ class FlatParamHandle(OrigParams, FullParams):
         FlatParameter, or with ``use_orig_params`` the original parameters, but
         not the shard: adopt the new dtype for the shard and the buffers, as
         torch FSDP1 does before its first forward. Called before every unshard."""
-        now = (self.orig_params[0] if self.use_orig_params else self.flat_param).dtype
+        now = self.param_dtype_now()
         if now == self.dtype:
             self._follow_data_assignment()
             return
@@ -202,6 +203,10 @@ class FlatParamHandle(OrigParams, FullParams):
             self.use_unsharded_views()
         else:
             self._placeholder_views()
+
+    def param_dtype_now(self) -> torch.dtype:
+        """The dtype the parameters have now: another than ``self.dtype`` after a ``module.to(dtype)``."""
+        return (self.orig_params[0] if self.use_orig_params else self.flat_param).dtype
 
     def _follow_data_assignment(self):
         """``flat_param.data = t`` between steps (a re-initialization, weights loaded by

@@ -35,7 +35,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from . import agreement, kept, reduce, trace, validation
 from .bucket import Bucketer
 from .handle import RESHARD_AFTER_FORWARD, HandleState
-from .mixed_precision import buffers_for_mode, tensors_in
+from .mixed_precision import buffers_for_mode, cast_buffers, tensors_in
 from .options import BackwardPrefetch
 
 MAX_LIVE_PREFETCH_UNITS = 2  # limit_all_gathers: non-root units unsharded at once
@@ -94,6 +94,8 @@ def root_pre_forward(state):
     kept.drop_unused_prefetches(rt)
     kept.drop_stale_kept(rt)
     rt.post_forward_order.clear()
+    if not state.__dict__.get("_buffers_in_full_precision") and any(h.param_dtype_now() != h.dtype for h in rt.handles):
+        cast_buffers(rt.states)  # module.to(dtype) cast the buffers too: back to buffer_dtype, the new dtype remembered
     buffers_for_mode(state, rt.states)
     for h in rt.handles:
         h.post_forward_index = None
