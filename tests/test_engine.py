@@ -1070,3 +1070,36 @@ def test_a_window_mixing_loss_backward_with_engine_backward_is_refused(ranks, st
     A backward outside the engine that changes no gradient (autograd.grad for a penalty)
     is not refused."""
     assert all(ranks.run(2, _mixed_backward, stage, how))
+
+
+def _gan(rank, world_size, clear):
+    """DeepSpeed's DCGAN loop: two engines, G's loss goes through D's forward."""
+    torch.manual_seed(0)
+    G = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 6))
+    D = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "Adam", "params": {"lr": 1e-3}},
+           "zero_optimization": {"stage": 0}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eG, *_ = initialize(model=G, config=cfg)
+        eD, optD, *_ = initialize(model=D, config=cfg)
+    bce = torch.nn.BCEWithLogitsLoss()
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(3):
+        real, noise = torch.randn(4, 6, generator=g), torch.randn(4, 4, generator=g)
+        {"module": D.zero_grad, "optimizer": optD.zero_grad}[clear]()
+        eD.backward(bce(eD(real), torch.ones(4, 1)))
+        fake = eG(noise)
+        eD.backward(bce(eD(fake.detach()), torch.zeros(4, 1)))
+        eD.step()
+        G.zero_grad()
+        eG.backward(bce(eD(fake), torch.ones(4, 1)))  # through D's outputs, inside G's engine.backward
+        eG.step()
+    return eG.global_steps == eD.global_steps == 3
+
+
+@pytest.mark.parametrize("clear", ["module", "optimizer"])
+def test_two_engines_one_backward_through_both_is_not_refused(ranks, clear):
+    """The review of the mixed-window check: D's output hook took G's engine.backward
+    through D for a direct loss.backward(), and D's next step() raised."""
+    assert all(ranks.run(2, _gan, clear))

@@ -64,6 +64,9 @@ from .mixed_precision import tensors_in
 from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
 from .zero1 import ZeroOneOptimizer
 
+_ENGINE_BACKWARDS = [0]  # engine.backward calls running now (any engine: one model's backward may cross another's)
+
+
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
                mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None, fsdp_kwargs=None):
     """``deepspeed.initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
@@ -110,7 +113,7 @@ class Engine(ConfigGetters, nn.Module):
         self._step_applied, self._boundary = False, None  # the last boundary's step taken; a set boundary
         self._no_sync = False
         self._backwards = 0  # engine.backward calls since the last optimizer step (see _check_backward)
-        self._in_backward = self._direct = False  # inside engine.backward; a backward outside it changed gradients
+        self._direct = False  # a backward outside any engine.backward changed this model's gradients
         self._direct_task = None  # the autograd graph task _saw_backward last looked at
         self.dp_world_size = self.world_size
         self.zero1: ZeroOneOptimizer | None = None
@@ -192,7 +195,7 @@ class Engine(ConfigGetters, nn.Module):
         """A backward reached an output outside engine.backward: if it changes the gradients
         (``loss.backward()``; not ``autograd.grad`` for a penalty), its step would be wrong."""
         task = torch._C._current_graph_task_id()
-        if self._in_backward or self._direct or task == self._direct_task:
+        if _ENGINE_BACKWARDS[0] or self._direct or task == self._direct_task:  # any engine's (a GAN's G through D)
             return
         self._direct_task, before = task, self._grads_now()
 
@@ -209,11 +212,13 @@ class Engine(ConfigGetters, nn.Module):
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss if self.loss_scaler is None else loss.float() * self.loss_scaler.loss_scale
-        self._in_backward = True
+        if self._direct and all(p.grad is None for p in self.module.parameters()):
+            self._direct = False  # that backward's gradients were cleared (module or optimizer zero_grad)
+        _ENGINE_BACKWARDS[0] += 1
         try:
             scaled.backward(retain_graph=retain_graph)
         finally:
-            self._in_backward = False
+            _ENGINE_BACKWARDS[0] -= 1
         self._backwards += 1
         if self.stage == 0 and self.is_gradient_accumulation_boundary() and not self._no_sync:
             data_parallel.allreduce_gradients(self.module.parameters(), self.world_size)
