@@ -244,3 +244,23 @@ def test_a_rank_whose_no_sync_micro_step_does_not_reach_the_model(ranks, use_ori
     process ('Received data size doesn't match'). torch FSDP1 trains on; so does zeroshard,
     with torch's outputs and parameters."""
     assert all(ranks.run(2, _a_rank_with_nothing_to_learn, "SHARD_GRAD_OP", use_orig_params, skip, timeout=90))
+
+
+def _manual_update_after_a_no_sync_forward(rank, world_size, strategy, use_orig_params, edit):
+    model = _build("zeroshard", strategy, use_orig_params)
+    x = torch.randn(4, MLP_KW["d_in"], generator=torch.Generator().manual_seed(rank))
+    with model.no_sync():
+        model(x)  # a metric with grad mode on: no backward comes
+    with torch.no_grad():  # a manual update (no optimizer step): zeros, so the next output must be 0
+        for p in model.parameters():
+            p.zero_() if edit == "zero" else p.mul_(0.0)
+    return float(model(x).abs().max())
+
+
+@pytest.mark.parametrize("strategy,use_orig_params", [("FULL_SHARD", False), ("FULL_SHARD", True),
+                                                      ("SHARD_GRAD_OP", False), ("SHARD_GRAD_OP", True)])
+def test_a_manual_update_after_a_no_sync_forward_is_seen(ranks, strategy, use_orig_params):
+    """The review of the fix above: skipping the check after a forward inside no_sync
+    whenever no optimizer had stepped reused the kept units' old values (0.37-0.51
+    where 0 is right) after a manual update."""
+    assert ranks.run(2, _manual_update_after_a_no_sync_forward, strategy, use_orig_params, "zero") == [0.0, 0.0]

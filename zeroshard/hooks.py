@@ -55,7 +55,7 @@ class RootRuntime:
         self.callback_queued = False
         self.in_forward = False  # the root's forward is running (a nested autograd.grad may run inside it)
         self.forward_pending = False  # the root's last forward had grad mode and no backward has run since
-        self.no_sync_forward_steps = None  # that forward ran inside no_sync: the optimizer steps taken then
+        self.no_sync_forward = False  # that forward ran inside no_sync (see kept.drop_stale_kept)
         self.graph_backward = False  # the running backward has create_graph=True
         cap = states[0].bucket_cap_mb  # the root's setting holds for the whole model
         self.bucketer = Bucketer(cap) if cap is not None else None
@@ -230,7 +230,7 @@ def post_forward(state, output):
         state._runtime.forward_pending = True
         # Inside no_sync: a backward runs no collective, so a rank whose loss does not reach the model
         # may skip it and keep the flag where the others clear it (kept.drop_stale_kept).
-        state._runtime.no_sync_forward_steps = None if state._sync_gradients else validation.optimizer_steps[0]
+        state._runtime.no_sync_forward = not state._sync_gradients
     _register_pre_backward(state, output)
     return output
 

@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import comm, reduce, validation
+from . import comm, reduce
 from .handle import HandleState
 
 
@@ -91,8 +91,10 @@ def drop_stale_kept(rt):
     forward had grad mode and no backward followed, or while such a graph is
     pending (the same on every rank, except after a forward inside
     ``no_sync``, whose backward a rank with nothing to learn from may skip:
-    then nothing can be stale unless an optimizer stepped since, and no step
-    may follow such a backward before a synchronizing one); each group
+    then the check runs only where a kept unit's shard or views changed since
+    (an optimizer step, a manual update, an edit), which every rank sees
+    alike, no step being allowed between such a backward and a synchronizing
+    one); each group
     agrees in one small all-reduce over all its units (fixed size: a rank whose
     shard holds only padding sees no change), and a unit that is stale, or not
     gathered, on any rank is freed on all, so all ranks gather the same units
@@ -102,8 +104,9 @@ def drop_stale_kept(rt):
     if not rt.forward_pending and not graph_kept:
         return
     rt.forward_pending = False
-    if rt.no_sync_forward_steps == validation.optimizer_steps[0] and not graph_kept:
-        return  # a forward inside no_sync, no step since: nothing is stale, and the flag may be set on this rank only
+    if rt.no_sync_forward and not graph_kept and not any(
+            h.unsharded and h.kept_version is not None and h.shard_version() != h.kept_version for h in rt.handles):
+        return  # a forward inside no_sync and nothing kept changed since: the flag may be set on this rank only
     groups = {}
     for h in rt.handles:
         if h.sharded:
