@@ -401,7 +401,8 @@ LAUNCHER_ENV = {  # what `accelerate launch` exports for an FSDP config (every f
     "FSDP_OFFLOAD_PARAMS": "false", "FSDP_MIN_NUM_PARAMS": "100000000", "FSDP_AUTO_WRAP_POLICY": "TRANSFORMER_BASED_WRAP",
     "FSDP_TRANSFORMER_CLS_TO_WRAP": "Block", "FSDP_BACKWARD_PREFETCH": "BACKWARD_PRE", "FSDP_STATE_DICT_TYPE": "SHARDED_STATE_DICT",
     "FSDP_FORWARD_PREFETCH": "true", "FSDP_USE_ORIG_PARAMS": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "true",
-    "FSDP_SYNC_MODULE_STATES": "true", "FSDP_ACTIVATION_CHECKPOINTING": "false"}
+    "FSDP_SYNC_MODULE_STATES": "true", "FSDP_ACTIVATION_CHECKPOINTING": "false",
+    "FSDP_RESHARD_AFTER_FORWARD": "true"}  # exported whatever the strategy (accelerate 1.x); FSDP1's plugin does not read it
 
 
 def test_accelerate_launch_environment_is_read_when_no_config_is_given(monkeypatch):
@@ -429,6 +430,7 @@ def test_accelerate_launch_environment_is_read_when_no_config_is_given(monkeypat
             monkeypatch.delenv(name)
     kw = from_accelerate_config(model=model)
     assert kw["sharding_strategy"] == S.FULL_SHARD and kw["use_orig_params"] is False and "mixed_precision" not in kw
+    assert kw["sync_module_states"] is False  # the plugin's default for an unset FSDP_SYNC_MODULE_STATES
     assert not kw.cpu_ram_efficient_loading and kw["auto_wrap_policy"].keywords == {"transformer_layer_cls": {Block}}
     monkeypatch.setenv("FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP")
     assert from_accelerate_config(model=model)["auto_wrap_policy"] is None  # FSDP_MIN_NUM_PARAMS unset: 0, no wrapping

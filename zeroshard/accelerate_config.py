@@ -14,7 +14,9 @@ or a path to a YAML (needs PyYAML) or JSON file; or nothing, inside ``accelerate
 the ``FSDP_*`` environment variables it exports are read (the same fields, upper-cased;
 ``FSDP_TRANSFORMER_CLS_TO_WRAP``, ``ACCELERATE_MIXED_PRECISION``), as Accelerate's
 ``FullyShardedDataParallelPlugin`` reads them, its defaults for unset variables included
-(``use_orig_params`` and ``cpu_ram_efficient_loading`` false, no size-based wrapping).
+(``use_orig_params``, ``sync_module_states`` and ``cpu_ram_efficient_loading`` false, no
+size-based wrapping; ``FSDP_RESHARD_AFTER_FORWARD`` is not read: FSDP1's plugin takes the
+strategy from ``FSDP_SHARDING_STRATEGY``).
 
 | field | values | keyword |
 |---|---|---|
@@ -122,7 +124,8 @@ ENVIRONMENT = {"fsdp_transformer_layer_cls_to_wrap": "FSDP_TRANSFORMER_CLS_TO_WR
                "mixed_precision": "ACCELERATE_MIXED_PRECISION",
                **{k: k.upper() for k in KNOWN if k.startswith("fsdp_") and k != "fsdp_transformer_layer_cls_to_wrap"}}
 # Accelerate's FullyShardedDataParallelPlugin where a variable is unset (the launcher sets them all).
-ENVIRONMENT_DEFAULTS = {"fsdp_use_orig_params": False, "fsdp_cpu_ram_efficient_loading": False, "fsdp_min_num_params": 0}
+ENVIRONMENT_DEFAULTS = {"fsdp_use_orig_params": False, "fsdp_cpu_ram_efficient_loading": False, "fsdp_min_num_params": 0,
+                        "fsdp_sync_module_states": False}
 
 
 def _from_environment(environ) -> dict:
@@ -132,6 +135,9 @@ def _from_environment(environ) -> dict:
                          "environment (the script was not started by `accelerate launch` with FSDP). Fix: pass the "
                          "config (a dict or a YAML/JSON path), or launch with `accelerate launch --use_fsdp ...`.")
     fsdp = {k: environ[v] for k, v in ENVIRONMENT.items() if environ.get(v, "").strip()}
+    # FSDP1's plugin reads FSDP_SHARDING_STRATEGY (FULL_SHARD when unset) and never FSDP_RESHARD_AFTER_FORWARD,
+    # which the launcher always exports too ("true" by default, whatever the strategy).
+    fsdp.pop("fsdp_reshard_after_forward", None)
     return {**ENVIRONMENT_DEFAULTS, **fsdp}
 
 
