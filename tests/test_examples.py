@@ -225,6 +225,8 @@ def test_walkthrough_api_table_covers_torch_fsdp1():
                                          ("zeroshard.examples.mnist_digits", "--epochs"),
                                          ("zeroshard.examples.ddp_template", "--steps"),
                                          ("zeroshard.examples.transformer", "--world-size"),
+                                         ("zeroshard.examples.transformer", "--batch"),
+                                         ("zeroshard.examples.mnist_digits", "--batch-size"),
                                          ("zeroshard.examples.hfai_style", "--steps"),
                                          ("zeroshard.examples.hybrid_torchrun", "--steps"),
                                          ("zeroshard", "demo --world-size"), ("zeroshard", "demo --steps"),

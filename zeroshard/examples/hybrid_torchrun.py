@@ -75,8 +75,8 @@ def train(model, ids, rank, args):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="torchrun ... -m zeroshard.examples.hybrid_torchrun", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=at_least_one, default=20)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--ctx", type=int, default=32)
+    p.add_argument("--batch", type=at_least_one, default=8)
+    p.add_argument("--ctx", type=at_least_one, default=32)
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--small", action="store_true", help="CI size: 4 steps")
     args = p.parse_args(argv)

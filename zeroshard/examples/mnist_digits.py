@@ -182,8 +182,8 @@ def fsdp_main(rank, world_size, args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m zeroshard.examples.mnist_digits", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-size", type=int, default=64, metavar="N", help="input batch size per rank for training")
-    parser.add_argument("--test-batch-size", type=int, default=1000, metavar="N")
+    parser.add_argument("--batch-size", type=at_least_one, default=64, metavar="N", help="input batch size per rank for training")
+    parser.add_argument("--test-batch-size", type=at_least_one, default=1000, metavar="N")
     parser.add_argument("--epochs", type=at_least_one, default=10, metavar="N")
     parser.add_argument("--lr", type=float, default=1.0, metavar="LR", help="Adadelta learning rate")
     parser.add_argument("--gamma", type=float, default=0.7, metavar="M", help="learning rate step gamma")
