@@ -179,6 +179,13 @@ def _before_accumulate(state):
         handle.wait_unshard()
     if not handle.ran_pre_backward:
         handle.prepare_gradient_for_backward()
+    if handle.post_backward_called and not handle.sharded:
+        # More gradient after this backward reduced the unit (a reentrant checkpoint around part of
+        # it): NO_SHARD all-reduces .grad in place (a bucket copies back into it), so that reduction
+        # must be done before autograd adds the rest, as torch's synchronous one is.
+        rt = state._runtime
+        rt.pending += reduce.flush(rt.bucketer)
+        reduce.finish_reductions(rt.pending)
 
 
 @torch.compiler.disable  # runs eagerly under torch.compile (see FullyShardedDataParallel.forward)
