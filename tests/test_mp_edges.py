@@ -481,3 +481,57 @@ def test_integer_and_complex_units_stay_out_of_mixed_precision(ranks, use_orig_p
     computed as [3, 256, 1000, 4096], a complex weight lost its imaginary part (torch FSDP1
     refuses such units). clip_grad_norm_ over a complex gradient failed in vector_norm."""
     assert ranks.run(2, _non_float_units, use_orig_params) == [(True, True, True)] * 2
+
+
+class _ScaledInner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.full((4,), 1.0 + 2 ** -12))  # 1.0 in bf16
+
+    def forward(self, x):
+        self.seen = self.scale.dtype
+        return self.lin(x) * self.scale
+
+
+class _PermutedRoot(nn.Module):
+    """The root's only own parameter is a frozen integer permutation."""
+
+    def __init__(self):
+        super().__init__()
+        self.perm = nn.Parameter(torch.tensor([2, 0, 3, 1]), requires_grad=False)
+        self.inner = _ScaledInner()
+
+    def forward(self, x):
+        return self.inner(x[:, self.perm])
+
+
+def _full_precision_eval_buffers(rank, world_size, cast_in_eval):
+    torch.manual_seed(0)
+    with _env("FSDP_USE_FULL_PREC_IN_EVAL", "1"):
+        m = zs.FSDP(_PermutedRoot(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({_ScaledInner}),
+                    mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16, buffer_dtype=torch.bfloat16))
+        m(torch.randn(2, 4)).float().sum().backward()
+        m.zero_grad(set_to_none=True)
+        m.eval()
+        with torch.no_grad():
+            m(torch.randn(2, 4))
+        seen = [m.module.inner.seen]
+        if cast_in_eval:  # a cast while the buffers are in their own dtype
+            m.double()
+            with torch.no_grad():
+                m(torch.randn(2, 4, dtype=torch.float64))
+            seen.append(m.module.inner.seen)
+            with zs.FSDP.state_dict_type(m, zs.StateDictType.FULL_STATE_DICT):
+                sd = m.state_dict()
+            seen.append((sd["inner.lin.weight"].dtype, sd["inner.scale"].dtype))
+    return seen
+
+
+def test_full_precision_eval_with_an_integer_root(ranks):
+    """The root unit (integer, outside mixed precision) decided for the model: its eval left
+    the inner unit's buffer in bf16 beside fp32 weights (1 + 2**-12 became 1.0)."""
+    assert ranks.run(2, _full_precision_eval_buffers, False) == [[torch.float32]] * 2
+    # model.double() in eval: the buffer was used in fp32 beside fp64 weights, and saved in fp32
+    assert ranks.run(2, _full_precision_eval_buffers, True) == \
+        [[torch.float32, torch.float64, (torch.float64, torch.float64)]] * 2

@@ -16,6 +16,8 @@ and so must the sharded gradients after the synchronizing step.
 """
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed.fsdp as tfsdp
@@ -207,7 +209,7 @@ def test_summon_between_no_sync_micro_steps_keeps_the_accumulated_grads(ranks, s
         assert "Fix: run a synchronizing backward" in seen["zeroshard"][3]
 
 
-def _a_rank_with_nothing_to_learn(rank, world_size, strategy, use_orig_params, skip):
+def _a_rank_with_nothing_to_learn(rank, world_size, strategy, use_orig_params, skip, edit=False):
     g = torch.Generator().manual_seed(rank)
     xs = [[torch.randn(4, MLP_KW["d_in"], generator=g) for _ in range(2)] for _ in range(3)]
     seen = {}
@@ -223,6 +225,11 @@ def _a_rank_with_nothing_to_learn(rank, world_size, strategy, use_orig_params, s
                         torch.zeros((), requires_grad=True).backward()  # a loss that does not reach the model
                 else:
                     out.pow(2).mean().backward()
+            if edit:  # every rank, between the micro-steps (the kept units' old values are used, as torch)
+                with torch.no_grad(), warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    for p in model.parameters():
+                        p.mul_(0.5)
             out = model(step[1])
             outs.append(out.detach())
             out.pow(2).mean().backward()
@@ -246,21 +253,72 @@ def test_a_rank_whose_no_sync_micro_step_does_not_reach_the_model(ranks, use_ori
     assert all(ranks.run(2, _a_rank_with_nothing_to_learn, "SHARD_GRAD_OP", use_orig_params, skip, timeout=90))
 
 
-def _manual_update_after_a_no_sync_forward(rank, world_size, strategy, use_orig_params, edit):
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_an_edit_after_a_skipped_no_sync_backward_does_not_abort(ranks, use_orig_params):
+    """The review of fae6b22: the rank that skipped saw the edit and ran the stale-unit
+    all-reduce alone; gloo aborted ('Received data size doesn't match'). With the FlatParameter
+    zeroshard trains as torch FSDP1; with use_orig_params an edit of the full views is not
+    compared with torch (the ranks see different objects there: the one that skipped its
+    backward writes its edit back)."""
+    same_as_torch = ranks.run(2, _a_rank_with_nothing_to_learn, "SHARD_GRAD_OP", use_orig_params, True, True, timeout=90)
+    assert all(same_as_torch) or use_orig_params
+
+
+def _manual_update_after_a_no_sync_forward(rank, world_size, strategy, use_orig_params):
     model = _build("zeroshard", strategy, use_orig_params)
     x = torch.randn(4, MLP_KW["d_in"], generator=torch.Generator().manual_seed(rank))
     with model.no_sync():
         model(x)  # a metric with grad mode on: no backward comes
     with torch.no_grad():  # a manual update (no optimizer step): zeros, so the next output must be 0
         for p in model.parameters():
-            p.zero_() if edit == "zero" else p.mul_(0.0)
-    return float(model(x).abs().max())
+            p.zero_()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = float(model(x).abs().max())
+    return out, any("changed in place, not by an optimizer step" in str(w.message) for w in caught)
 
 
 @pytest.mark.parametrize("strategy,use_orig_params", [("FULL_SHARD", False), ("FULL_SHARD", True),
                                                       ("SHARD_GRAD_OP", False), ("SHARD_GRAD_OP", True)])
-def test_a_manual_update_after_a_no_sync_forward_is_seen(ranks, strategy, use_orig_params):
-    """The review of the fix above: skipping the check after a forward inside no_sync
-    whenever no optimizer had stepped reused the kept units' old values (0.37-0.51
-    where 0 is right) after a manual update."""
-    assert ranks.run(2, _manual_update_after_a_no_sync_forward, strategy, use_orig_params, "zero") == [0.0, 0.0]
+def test_a_manual_update_after_a_no_sync_forward_is_written_back_or_said(ranks, strategy, use_orig_params):
+    """After a forward inside no_sync a rank cannot know whether the others ran its backward,
+    so no collective may depend on what it sees (a rank's check alone aborted gloo). An edit
+    of the full views a ZeRO-2 unit exposes is written back (computed with); a shard changed
+    otherwise leaves the kept unit's old values in use, as in torch FSDP1, and is said."""
+    for out, said in ranks.run(2, _manual_update_after_a_no_sync_forward, strategy, use_orig_params):
+        if (strategy, use_orig_params) == ("SHARD_GRAD_OP", True):
+            assert out == 0.0 and not said
+        else:
+            assert said
+
+
+class _Gain(torch.nn.Module):
+    """The root's own parameter is one scalar: rank 1's root shard holds only padding."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.tensor([1.5]))
+        self.a, self.b = Block(4, 6), Block(4, 6)
+
+    def forward(self, x):
+        return self.b(self.a(x)) * self.gain
+
+
+def _hand_written_sgd_after_a_no_sync_metric(rank, world_size):
+    torch.manual_seed(0)
+    model = zs.FSDP(_Gain(), use_orig_params=True, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    model(x).pow(2).mean().backward()
+    with model.no_sync():
+        model(x).abs().mean()  # a metric with grad mode on
+    with torch.no_grad():  # skips parameters without a gradient: rank 1's empty gain slice
+        for p in model.parameters():
+            if p.grad is not None:
+                p.sub_(0.1 * p.grad)
+    return float(model(x).detach().abs().sum())
+
+
+def test_a_rank_seeing_no_change_after_a_no_sync_forward_does_not_hang(ranks):
+    """The review of fae6b22: rank 0 saw its root shard change, rank 1 (padding only) did
+    not, and rank 0 alone ran the stale-unit all-reduce: a hang."""
+    assert len(ranks.run(2, _hand_written_sgd_after_a_no_sync_metric, timeout=60)) == 2

@@ -35,7 +35,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from . import agreement, kept, reduce, trace, validation
 from .bucket import Bucketer
 from .handle import RESHARD_AFTER_FORWARD, HandleState
-from .mixed_precision import buffers_for_mode, cast_buffers, tensors_in
+from .mixed_precision import buffers_for_mode, cast_buffers, remember_buffer_dtypes, tensors_in
 from .options import BackwardPrefetch
 
 MAX_LIVE_PREFETCH_UNITS = 2  # limit_all_gathers: non-root units unsharded at once
@@ -55,7 +55,7 @@ class RootRuntime:
         self.callback_queued = False
         self.in_forward = False  # the root's forward is running (a nested autograd.grad may run inside it)
         self.forward_pending = False  # the root's last forward had grad mode and no backward has run since
-        self.no_sync_forward = False  # that forward ran inside no_sync (see kept.drop_stale_kept)
+        self.no_sync_forward_steps = None  # that forward ran inside no_sync: the optimizer steps then (kept.drop_stale_kept)
         self.graph_backward = False  # the running backward has create_graph=True
         cap = states[0].bucket_cap_mb  # the root's setting holds for the whole model
         self.bucketer = Bucketer(cap) if cap is not None else None
@@ -94,8 +94,11 @@ def root_pre_forward(state):
     kept.drop_unused_prefetches(rt)
     kept.drop_stale_kept(rt)
     rt.post_forward_order.clear()
-    if not state.__dict__.get("_buffers_in_full_precision") and any(h.param_dtype_now() != h.dtype for h in rt.handles):
-        cast_buffers(rt.states)  # module.to(dtype) cast the buffers too: back to buffer_dtype, the new dtype remembered
+    if any(h.param_dtype_now() != h.dtype for h in rt.handles):  # module.to(dtype) cast the buffers too:
+        if state.__dict__.get("_buffers_in_full_precision"):  # in their own dtype now (eval): it is the new one
+            remember_buffer_dtypes(state)
+        else:  # back to buffer_dtype, the new dtype remembered
+            cast_buffers(rt.states)
     buffers_for_mode(state, rt.states)
     for h in rt.handles:
         h.post_forward_index = None
@@ -237,7 +240,7 @@ def post_forward(state, output):
         state._runtime.forward_pending = True
         # Inside no_sync: a backward runs no collective, so a rank whose loss does not reach the model
         # may skip it and keep the flag where the others clear it (kept.drop_stale_kept).
-        state._runtime.no_sync_forward = not state._sync_gradients
+        state._runtime.no_sync_forward_steps = None if state._sync_gradients else validation.optimizer_steps[0]
     _register_pre_backward(state, output)
     return output
 

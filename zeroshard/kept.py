@@ -16,7 +16,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from . import comm, reduce
+from . import comm, reduce, validation
 from .handle import HandleState
 
 
@@ -91,10 +91,9 @@ def drop_stale_kept(rt):
     forward had grad mode and no backward followed, or while such a graph is
     pending (the same on every rank, except after a forward inside
     ``no_sync``, whose backward a rank with nothing to learn from may skip:
-    then the check runs only where a kept unit's shard or views changed since
-    (an optimizer step, a manual update, an edit), which every rank sees
-    alike, no step being allowed between such a backward and a synchronizing
-    one); each group
+    then it runs only after an optimizer step, which every rank takes and none
+    may take between such a backward and a synchronizing one; other changes
+    are handled here without communication, see _edits_after_no_sync); each group
     agrees in one small all-reduce over all its units (fixed size: a rank whose
     shard holds only padding sees no change), and a unit that is stale, or not
     gathered, on any rank is freed on all, so all ranks gather the same units
@@ -104,9 +103,9 @@ def drop_stale_kept(rt):
     if not rt.forward_pending and not graph_kept:
         return
     rt.forward_pending = False
-    if rt.no_sync_forward and not graph_kept and not any(
-            h.unsharded and h.kept_version is not None and h.shard_version() != h.kept_version for h in rt.handles):
-        return  # a forward inside no_sync and nothing kept changed since: the flag may be set on this rank only
+    if rt.no_sync_forward_steps == validation.optimizer_steps[0] and not graph_kept:
+        _edits_after_no_sync(rt)  # the flag may be set on this rank only: no collective
+        return
     groups = {}
     for h in rt.handles:
         if h.sharded:
@@ -117,6 +116,24 @@ def drop_stale_kept(rt):
         for h, c in zip(hs, changed.tolist()):
             if c and h.unsharded:
                 h.reshard(free=True)
+
+
+def _edits_after_no_sync(rt) -> None:
+    """A kept unit changed since a forward inside no_sync, without an optimizer step: edits of
+    its exposed full views are written back to this rank's shard (computed with as they are);
+    a shard changed otherwise (a manual update through the optimizer's parameters) cannot be
+    re-gathered without the other ranks, which may not be checking (torch FSDP1 reuses the
+    old values too): said, once."""
+    for h in rt.handles:
+        if not (h.unsharded and h.kept_version is not None) or h.shard_version() == h.kept_version:
+            continue
+        now = h.shard_version()
+        if not (now[1:] == h.kept_version[1:] and _write_back_edits(h)):
+            warnings.warn(f"zeroshard: the parameters of unit '{h.unit_name}' changed in place, not by an optimizer "
+                          "step, after a forward inside no_sync() that kept the unit gathered; its next forward "
+                          "computes with the values gathered before (as torch FSDP1's). Fix: change parameters "
+                          "outside the accumulation window (after its synchronizing backward).", stacklevel=5)
+        h.kept_version = now
 
 
 def _stale(h) -> bool:

@@ -61,6 +61,17 @@ def cast_buffers(states):
                     m.__dict__.setdefault(ORIG_DTYPES, {})[name] = done[id(buf)]
 
 
+def remember_buffer_dtypes(root) -> None:
+    """While the buffers are in their original dtypes (an eval under ``FSDP_USE_FULL_PREC_IN_EVAL``),
+    a ``module.to(dtype)`` gave them new ones: remember those, for state dicts and the way back."""
+    for m in root.modules():
+        dtypes = m.__dict__.get(ORIG_DTYPES, {})
+        for name in dtypes:
+            buf = m._buffers.get(name)
+            if buf is not None and torch.is_floating_point(buf):
+                dtypes[name] = buf.dtype
+
+
 def orig_buffer_dtypes(root, units, prefix: str = "") -> dict[str, torch.dtype]:
     """State-dict key (as ``nn.Module.state_dict(root, prefix=prefix)`` writes it)
     -> original dtype, for the buffers ``cast_buffers`` cast in ``units``' subtrees."""
@@ -78,7 +89,9 @@ def buffers_for_mode(root, states):
     root (or, if it has no parameters, any unit) computes in full precision,
     every buffer is back in its original dtype; on the way back to training
     they are cast down again (torch FSDP1's rule)."""
-    handles = [root._handle] if root._handle is not None else [s._handle for s in states if s._handle is not None]
+    # The root decides, unless it has no parameters or none in mixed precision (an integer root unit).
+    mixed = root._handle is not None and root._handle.dtype.is_floating_point
+    handles = [root._handle] if mixed else [s._handle for s in states if s._handle is not None]
     if any(h.forced_full_precision for h in handles):
         for m in root.modules():
             for name, orig in m.__dict__.get(ORIG_DTYPES, {}).items():
