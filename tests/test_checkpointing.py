@@ -404,3 +404,46 @@ def test_a_partial_reentrant_region_under_no_shard_reduces_as_torch(ranks, bucke
     sending it (gradients 0.03-0.17 off, varying run to run), and a bucket's copy back
     erased it. Now that reduction finishes before more gradient is added."""
     assert all(ranks.run(2, _partial_reentrant_no_shard, bucket))
+
+
+class _Student(nn.Module):
+    """Calls a separately wrapped frozen teacher inside its non-reentrant checkpointed region."""
+
+    def __init__(self, teacher):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 7), Block(7, 9)
+        self.__dict__["teacher"] = teacher  # not a submodule: wrapped on its own
+
+    def forward(self, x):
+        return checkpoint(lambda t: self.b(self.a(t) + self.teacher(t)), x, use_reentrant=False)
+
+
+def _teacher_inside_the_students_checkpoint(rank, world_size):
+    torch.manual_seed(1)
+    plain = nn.Sequential(nn.Linear(5, 7), Block(7, 9), Block(7, 9)).requires_grad_(False)
+    teacher = zs.FSDP(copy.deepcopy(plain), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    torch.manual_seed(7)
+    student = zs.FSDP(_Student(teacher), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    opt = torch.optim.AdamW(student.parameters(), lr=1e-2)
+    gathered, diffs = [], []
+    for step in range(3):
+        x = batch("mlp", rank, step)
+        student(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        gathered.append(sorted(h.unit_name for h in zs.unsharded_tracker.live if h in set(teacher._runtime.handles)))
+        with torch.no_grad():  # an EMA-style change of the teacher, through its (flat) parameters
+            for p in (*teacher.parameters(), *plain.parameters()):
+                p.mul_(0.9)
+            diffs.append(float((teacher(x) - plain(x)).abs().max()))
+    return gathered, diffs
+
+
+def test_a_model_run_in_another_models_recomputation_is_not_kept(ranks):
+    """The teacher's forward rerun by the student's backward was taken for its own reentrant
+    recomputation: all its units stayed gathered for good (ZeRO-3 memory lost) and its next
+    forward reused them after the EMA update (0.08-0.2 off). Now only its root stays, as in
+    torch FSDP1, and the update is seen (torch reuses its stale root: 0.19-0.24 off)."""
+    for gathered, diffs in ranks.run(2, _teacher_inside_the_students_checkpoint):
+        assert all(g == ["<root> (Sequential)"] for g in gathered), gathered
+        assert diffs == [0.0, 0.0, 0.0], diffs

@@ -196,13 +196,14 @@ def post_forward(state, output):
     handle = state._handle
     if handle is not None and handle.state == HandleState.BACKWARD_PRE:
         return output
+    rt = state._runtime
+    # A forward run from inside this model's backward is a reentrant checkpoint's recomputation:
+    # its backward follows at once, so the parameters stay gathered for it (one all-gather, not
+    # two) and the execution order recorded by the real forward is kept. Not a frozen model run
+    # from inside another one's backward (a teacher in the student's checkpointed region): no
+    # backward of its own would free what it kept.
+    recompute = _in_backward() and (rt.callback_queued or any(h.flat_param.requires_grad for h in rt.handles))
     if handle is not None:
-        rt = state._runtime
-        # A forward run from inside backward is a reentrant checkpoint's
-        # recomputation: its backward follows at once, so the parameters stay
-        # gathered for it (one all-gather, not two) and the execution order
-        # recorded by the real forward is kept.
-        recompute = _in_backward()
         if not recompute:
             handle.post_forward_index = len(rt.post_forward_order)
             rt.post_forward_order.append(handle)
@@ -236,7 +237,7 @@ def post_forward(state, output):
         handle.state = HandleState.IDLE
     if state._is_root and not torch.is_grad_enabled():  # no backward will come to free them
         kept.drop_unused_prefetches(state._runtime)
-    if state._is_root and torch.is_grad_enabled() and not _in_backward():
+    if state._is_root and torch.is_grad_enabled() and not recompute:
         state._runtime.forward_pending = True
         # Inside no_sync: a backward runs no collective, so a rank whose loss does not reach the model
         # may skip it and keep the flag where the others clear it (kept.drop_stale_kept).
