@@ -468,3 +468,34 @@ def test_functional_call_with_other_tensors_is_refused(ranks, use_orig_params):
     for msg, unchanged in ranks.run(2, _functional_call, use_orig_params):
         assert msg and "functional_call" in msg and "would be ignored" in msg and "Fix: call functional_call on the unwrapped" in msg, msg
         assert unchanged
+
+
+def _data_assigned_after_a_forward_without_backward(rank, world_size):
+    import copy
+
+    import zeroshard as zs
+
+    torch.manual_seed(0)
+    plain = nn.Linear(4, 4)
+    model = zs.FSDP(copy.deepcopy(plain), use_orig_params=True)
+    other = zs.FSDP(nn.Linear(4, 4), use_orig_params=True)
+    opt = torch.optim.SGD(other.parameters(), lr=0.1)
+    x = torch.ones(2, 4)
+    model(x)  # grad mode, no backward (an EMA model evaluated without no_grad): the root stays gathered
+    other(x).sum().backward()
+    opt.step()  # any optimizer step in the process makes the kept root stale
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data + 1.0
+        for p in plain.parameters():
+            p.add_(1.0)
+        out = model(x)
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.FULL_STATE_DICT):
+        sd = model.state_dict()
+    return torch.equal(out, plain(x)) and all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+
+
+def test_data_assigned_while_a_stale_unit_is_kept_reaches_the_shard(ranks):
+    """Freeing the stale kept unit re-pointed the parameters at the shard before the
+    writeback saw the new .data: the update was lost for good (torch FSDP1 loses it too)."""
+    assert all(ranks.run(2, _data_assigned_after_a_forward_without_backward))

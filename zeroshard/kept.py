@@ -115,6 +115,8 @@ def drop_stale_kept(rt):
         comm.all_reduce(changed, group, op=dist.ReduceOp.MAX, what="checking whether units kept from the last forward are stale")
         for h, c in zip(hs, changed.tolist()):
             if c and h.unsharded:
+                if h.use_orig_params and h.orig_exposed:  # p.data = ... since: into the shard before the
+                    h.writeback_orig_params()  # reshard re-points the parameters at it
                 h.reshard(free=True)
 
 
