@@ -242,6 +242,8 @@ class FullyShardedDataParallel(nn.Module):
         full_precision = h is not None and h.forced_full_precision  # FSDP_USE_FULL_PREC_IN_EVAL in eval mode
         if self._is_root:
             hooks.root_pre_forward(self)  # before the hook below: it settles which FlatParameters require grad
+            if not hooks._in_backward():  # a reentrant checkpoint around the root: recomputed in its backward
+                self._runtime.reentrant_forward = not torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in((args, kwargs)))
             args, kwargs = root_inputs((args, kwargs), self.compute_device)
             if mp.cast_root_forward_inputs and not full_precision and (self.training or not self._use_full_prec_in_eval):
                 args, kwargs = cast_floats((args, kwargs), mp.param_dtype)

@@ -55,6 +55,8 @@ class RootRuntime:
         self.callback_queued = False
         self.in_forward = False  # the root's forward is running (a nested autograd.grad may run inside it)
         self.forward_pending = False  # the root's last forward had grad mode and no backward has run since
+        self.reentrant_forward = False  # the last root forward: no grad mode, inputs needing grad (post_forward)
+        self.recompute_checked = False  # kept.drop_unused_recompute is queued on the running backward
         self.no_sync_forward_steps = None  # that forward ran inside no_sync: the optimizer steps then (kept.drop_stale_kept)
         self.graph_backward = False  # the running backward has create_graph=True
         cap = states[0].bucket_cap_mb  # the root's setting holds for the whole model
@@ -197,12 +199,16 @@ def post_forward(state, output):
     if handle is not None and handle.state == HandleState.BACKWARD_PRE:
         return output
     rt = state._runtime
-    # A forward run from inside this model's backward is a reentrant checkpoint's recomputation:
+    # A forward run from inside this model's backward (or after a no-grad root forward on inputs
+    # needing grad: a reentrant checkpoint around the root) is that checkpoint's recomputation:
     # its backward follows at once, so the parameters stay gathered for it (one all-gather, not
-    # two) and the execution order recorded by the real forward is kept. Not a frozen model run
-    # from inside another one's backward (a teacher in the student's checkpointed region): no
-    # backward of its own would free what it kept.
-    recompute = _in_backward() and (rt.callback_queued or any(h.flat_param.requires_grad for h in rt.handles))
+    # two) and the execution order recorded by the real forward is kept. Not a model run from
+    # inside another one's backward (a teacher in the student's checkpointed region): no backward
+    # of its own may come to free what it kept.
+    recompute = _in_backward() and (rt.callback_queued or rt.reentrant_forward)
+    if recompute and not rt.callback_queued and not rt.recompute_checked:  # whose backward may never come
+        rt.recompute_checked = True
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: kept.drop_unused_recompute(rt))
     if handle is not None:
         if not recompute:
             handle.post_forward_index = len(rt.post_forward_order)

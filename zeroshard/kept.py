@@ -81,6 +81,20 @@ def drop_unused_prefetches(rt):
             h.reshard(free=True)
 
 
+def drop_unused_recompute(rt) -> None:
+    """At the end of the backward that recomputed this model's forward (a reentrant checkpoint
+    around its root, or this model called inside another one's checkpointed region): units that
+    recomputation kept for a backward of this model that never came (its output detached or
+    unused) are freed, or they would stay gathered for good and be reused stale."""
+    rt.recompute_checked = False
+    if rt.callback_queued:  # this model's own backward runs: it frees them
+        return
+    for h in rt.handles:
+        if h.unsharded and h.sharded and not h.always_full and not h.graph_kept:
+            h.reshard(free=True)
+        h.end_iteration()
+
+
 @torch.no_grad()
 def drop_stale_kept(rt):
     """Free units an earlier forward kept gathered for a backward that has
