@@ -35,8 +35,8 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings
     diff = _layout_difference(mine, group, what)
     if replicate_group is not None and replicate_group.size() > 1:
         across = _layout_difference(mine, replicate_group, what)  # every rank runs both comparisons
-        diff = diff or across
-        diff = next((d for d in comm.gather_objects(diff, group, what) if d), None) if group.size() > 1 else diff
+        found = comm.first_problem(diff or across, group, what)
+        diff = found[1] if found is not None else None
     if diff is not None:
         raise ValueError(
             f"zeroshard: unit '{unit_name}' has a different layout on different ranks ({diff}). "

@@ -59,9 +59,9 @@ from torch.utils._pytree import tree_map
 
 from . import agreement, comm, data_parallel, ds_checkpoint, ds_stages, grad_norm, materialize
 from .ds_config import ConfigGetters, build_optimizer, load_config
+from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
 from .lr_schedules import build_scheduler
 from .mixed_precision import tensors_in
-from .loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
 from .zero1 import ZeroOneOptimizer
 
 _ENGINE_BACKWARDS = [0]  # engine.backward calls running now (any engine: one model's backward may cross another's)

@@ -35,6 +35,11 @@ FSDP_WRAPPED_MODULE = "_fsdp_wrapped_module"
 FLAT_PARAM = "_flat_param"
 
 
+def _reentrant_first_forward(args, kwargs) -> bool:
+    """Without grad mode but fed tensors that need grad: a reentrant checkpoint's first forward."""
+    return not torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in((args, kwargs)))
+
+
 def _unwrapped(module: nn.Module) -> nn.Module:
     """``module`` without torch's activation-checkpointing / offload wrapper (an ActivationWrapper)."""
     return module._checkpoint_wrapped_module if isinstance(module, ActivationWrapper) else module
@@ -243,14 +248,14 @@ class FullyShardedDataParallel(nn.Module):
         if self._is_root:
             hooks.root_pre_forward(self)  # before the hook below: it settles which FlatParameters require grad
             if not hooks._in_backward():  # a reentrant checkpoint around the root: recomputed in its backward
-                self._runtime.reentrant_forward = not torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in((args, kwargs)))
+                self._runtime.reentrant_forward = _reentrant_first_forward(args, kwargs)
             args, kwargs = root_inputs((args, kwargs), self.compute_device)
             if mp.cast_root_forward_inputs and not full_precision and (self.training or not self._use_full_prec_in_eval):
                 args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         if mp.cast_forward_inputs and h is not None and not full_precision:  # torch: only units with a FlatParameter
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
-        if h is not None:  # without grad mode but fed tensors that need grad: a reentrant checkpoint's first forward
-            h.recompute_ahead = not torch.is_grad_enabled() and any(t.requires_grad for t in tensors_in((args, kwargs)))
+        if h is not None:
+            h.recompute_ahead = _reentrant_first_forward(args, kwargs)
         hooks.pre_forward(self)
         return args, kwargs
 

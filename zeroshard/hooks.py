@@ -208,7 +208,7 @@ def post_forward(state, output):
     recompute = _in_backward() and (rt.callback_queued or rt.reentrant_forward)
     if recompute and not rt.callback_queued and not rt.recompute_checked:  # whose backward may never come
         rt.recompute_checked = True
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: kept.drop_unused_recompute(rt))
+        Variable._execution_engine.queue_callback(lambda: kept.drop_unused_recompute(rt))
     if handle is not None:
         if not recompute:
             handle.post_forward_index = len(rt.post_forward_order)

@@ -141,15 +141,12 @@ def _edits_after_no_sync(rt) -> None:
     re-gathered without the other ranks, which may not be checking (torch FSDP1 reuses the
     old values too): said, once."""
     for h in rt.handles:
-        if not (h.unsharded and h.kept_version is not None) or h.shard_version() == h.kept_version:
-            continue
-        now = h.shard_version()
-        if not (now[1:] == h.kept_version[1:] and _write_back_edits(h)):
+        if h.unsharded and _stale(h):  # (exposed views' edits are written back in there)
             warnings.warn(f"zeroshard: the parameters of unit '{h.unit_name}' changed in place, not by an optimizer "
                           "step, after a forward inside no_sync() that kept the unit gathered; its next forward "
                           "computes with the values gathered before (as torch FSDP1's). Fix: change parameters "
                           "outside the accumulation window (after its synchronizing backward).", stacklevel=5)
-        h.kept_version = now
+            h.kept_version = h.shard_version()  # said once
 
 
 def _stale(h) -> bool:

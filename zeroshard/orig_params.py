@@ -240,10 +240,10 @@ class OrigParams:
         flat_grad = self.flat_param.grad
         had_grad = flat_grad is not None  # one created below for another parameter says nothing of a None .grad
         for i, info in enumerate(self.layout.params):
-            self._refuse_plain_tensor(info)
+            now = info.module._parameters.get(info.name)
+            self._refuse_plain_tensor(info, now)
             own = self._own_range(i)
-            if own is None:  # none of it here: refuse a non-empty replacement (the same on every rank, then)
-                now = info.module._parameters.get(info.name)  # where a rank holding a slice refuses it
+            if own is None:  # none here: refuse a replacement where a rank holding a slice does (every rank, then)
                 if isinstance(now, nn.Parameter) and now is not self.orig_params[i] and now.numel():
                     held = (self.layout.slice_on(info, r) for r in range(self.world_size))
                     bad = [s.numel_in_shard for s in held if s is not None and s.numel_in_shard
@@ -253,7 +253,6 @@ class OrigParams:
                 continue
             offset, numel = own
             p = self.orig_params[i]
-            now = info.module._parameters.get(info.name)
             if now is None:
                 continue  # deregistered (e.g. by checkpointing code), as torch skips it
             if now is not p:
@@ -281,11 +280,10 @@ class OrigParams:
                                    "(p.data.copy_(...)), or untie them before wrapping.")
         self.orig_exposed = False
 
-    def _refuse_plain_tensor(self, info):
-        """A plain tensor in a parameter's place comes from ``torch.func.functional_call`` /
+    def _refuse_plain_tensor(self, info, now):
+        """A plain tensor in a parameter's place (``now``) comes from ``torch.func.functional_call`` /
         ``nn.utils.stateless``: the unit computes with its own gathered parameters, so those
         values would be ignored silently (torch FSDP1 raises for full shapes)."""
-        now = info.module._parameters.get(info.name)
         if now is not None and not isinstance(now, nn.Parameter):
             raise RuntimeError(
                 f"zeroshard: '{info.fqn}' in unit '{self.unit_name}' was replaced by a plain tensor of shape "
