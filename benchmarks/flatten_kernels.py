@@ -21,6 +21,10 @@ be compared with the committed one in one run, e.g.
   git show HEAD~1:csrc/flatten_cuda.cu > /tmp/old.cu
   python benchmarks/flatten_kernels.py --cu old=/tmp/old.cu --cu new=csrc/flatten_cuda.cu
 
+PATH may also be a whole csrc folder, to compare host-side changes (argument
+checks, the one-shot calls' unpacking): `--cu old=/tmp/old_csrc --cu new=csrc`.
+`--build-only` builds and exits (run one per module in parallel, then time).
+
 Every module's output is checked byte for byte against torch.cat before timing.
 """
 from __future__ import annotations
@@ -43,15 +47,20 @@ CASES = [  # (tensors, payload bytes, dtype)
 ]
 
 
-def build(name: str, cu: str):
+def build(name: str, path: str):
+    """JIT-build PATH as module NAME: a flatten_cuda.cu (with this checkout's host code)
+    or a whole csrc folder (its host code too, to A/B host-side changes)."""
     from torch.utils.cpp_extension import load
 
-    csrc = os.path.join(ROOT, "csrc")
+    if os.path.isdir(path):
+        csrc, cu = os.path.abspath(path), os.path.join(os.path.abspath(path), "flatten_cuda.cu")
+    else:
+        csrc, cu = os.path.join(ROOT, "csrc"), os.path.abspath(path)
     directory = os.path.join(ROOT, "build", "flatten_kernels", name)
     os.makedirs(directory, exist_ok=True)
     return load(
         name=f"zs_kernels_{name}",
-        sources=[os.path.join(csrc, "flatten.cpp"), os.path.join(csrc, "plan.cpp"), os.path.abspath(cu)],
+        sources=[os.path.join(csrc, "flatten.cpp"), os.path.join(csrc, "plan.cpp"), cu],
         extra_include_paths=[csrc],
         extra_cflags=["-O3", "-DZEROSHARD_WITH_CUDA"],
         extra_cuda_cflags=["-O3", "-DZEROSHARD_WITH_CUDA", "-Xptxas", "-v"],
@@ -146,8 +155,9 @@ def case(mods, n, nbytes, dtype, reps):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--cu", action="append", default=[], metavar="NAME=PATH",
-                   help="build PATH (a flatten_cuda.cu) as module NAME; repeatable")
+                   help="build PATH (a flatten_cuda.cu or a csrc folder) as module NAME; repeatable")
     p.add_argument("--reps", type=int, default=15, help="single-call rounds")
+    p.add_argument("--build-only", action="store_true", help="build the --cu modules and exit")
     args = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("flatten_kernels.py needs a CUDA device; benchmarks/flatten_bench.py runs on CPU")
@@ -155,9 +165,11 @@ def main():
         mods = {}
         for spec in args.cu:
             name, sep, path = spec.partition("=")
-            if not sep or not name.isidentifier() or not path.endswith(".cu"):
-                raise SystemExit(f"--cu takes NAME=PATH with PATH a .cu file, got {spec!r}")
+            if not sep or not name.isidentifier() or not (path.endswith(".cu") or os.path.isdir(path)):
+                raise SystemExit(f"--cu takes NAME=PATH with PATH a .cu file or a csrc folder, got {spec!r}")
             mods[name] = build(name, path)
+        if args.build_only:
+            return
     else:
         from zeroshard import ext
 

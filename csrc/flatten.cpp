@@ -14,6 +14,7 @@
 
 #include <ATen/MemoryOverlap.h>
 #include <c10/core/impl/COW.h>
+#include <c10/core/impl/COWDeleter.h>
 
 #include <algorithm>
 #include <cstring>
@@ -40,9 +41,6 @@ void copy_runs(const std::vector<Seg>& segs, const at::Tensor& flat, bool to_fla
 #endif
 }
 
-bool no_version_counter(const at::Tensor& t) {
-  return !t.unsafeGetTensorImpl()->version_counter().enabled();
-}
 
 void check_flat(const at::Tensor& flat) {
   const bool strided = flat.layout() == at::kStrided;
@@ -53,68 +51,94 @@ void check_flat(const at::Tensor& flat) {
 
 namespace {
 
-// check_and_collect over members [b, e), appending to `out`. Returns false,
-// before any check, if one of them is not plain.
+// One member's checks (see check_and_collect), appending its run or strided
+// entry to `out`. Everything read is inlined: at 1000 members an out-of-line
+// accessor per member (has_storage() behind storage(), the checks behind
+// const_data_ptr(), is_cow_data_ptr) costs more than the reads themselves.
+// flat's side of the checks, read once per call rather than per member.
+struct FlatSide {
+  c10::ScalarType dtype;
+  at::Device device;
+  int64_t numel, es, storage_offset;
+  const c10::StorageImpl* storage;
+  explicit FlatSide(const at::Tensor& flat)
+      : dtype(flat.scalar_type()), device(flat.device()), numel(flat.numel()), es(flat.element_size()),
+        storage_offset(flat.storage_offset()),
+        storage(flat.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()) {}
+};
+
+void check_one(const char* what, const at::Tensor& t, size_t i, int64_t off, const FlatSide& flat,
+               bool writable, Checked& out) {
+  const c10::ScalarType dtype = flat.dtype;
+  const int64_t es = flat.es;
+  ZS_CHECK_VALUE(t.layout() == at::kStrided, "zeroshard: ", what, "[", i,
+                 "] must be a strided tensor, got layout ", t.layout());
+  ZS_CHECK_VALUE(t.scalar_type() == dtype, "zeroshard: ", what, "[", i, "] has dtype ",
+                 t.scalar_type(), " but flat has dtype ", dtype);
+  ZS_CHECK_VALUE(t.device() == flat.device, "zeroshard: ", what, "[", i, "] is on ", t.device(),
+                 " but flat is on ", flat.device);
+  const int64_t n = t.numel();
+  ZS_CHECK_VALUE(off >= 0 && off <= flat.numel - n, "zeroshard: ", what, "[", i, "] range [", off,
+                 ", ", off + n, ") is out of bounds for flat of numel ", flat.numel);
+  if (n == 0) return;
+  c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  out.reach = std::max(out.reach, off + n);
+  out.inference = out.inference || no_version_counter(t);
+  // Raw pointers bypass torch's storage bounds checks, and a storage freed
+  // with resize_(0) (as FSDP does on reshard) still hands out data_ptr() 0.
+  int64_t last = impl->storage_offset() + n - 1;  // last element reached, in elements
+  const bool contiguous = impl->is_contiguous();
+  if (!contiguous) {
+    last = impl->storage_offset();
+    const auto sizes = impl->sizes();
+    const auto strides = impl->strides();
+    for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
+  }
+  c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+  const size_t have = storage ? storage->nbytes() : 0;
+  ZS_CHECK(static_cast<uint64_t>((last + 1) * es) <= have, "zeroshard: ", what, "[", i, "] reaches byte ",
+           (last + 1) * es, " of a storage of ", have, " bytes (was its storage freed?)");
+  if (writable && storage->data_ptr().get_deleter() == &c10::impl::cow::cow_deleter) {
+    c10::impl::cow::materialize_cow(storage);  // as copy_ would, before any write
+  }
+  // In flat's own storage: exactly its range there (a parameter viewing the
+  // FlatParameter) or apart from it. copy_ refuses dense partial overlaps.
+  if (storage == flat.storage && impl->is_non_overlapping_and_dense()) {
+    const int64_t at = flat.storage_offset + off;
+    const int64_t lo = impl->storage_offset();
+    ZS_CHECK(lo >= at + n || at >= lo + n || (lo == at && contiguous), "zeroshard: ", what, "[", i,
+             "]: unsupported operation: some elements of the input tensor and the written-to tensor "
+             "refer to a single memory location (it overlaps its own range of flat). Fix: clone() it first.");
+  }
+  if (contiguous && !t.is_conj() && !t.is_neg() && !t._is_zerotensor()) {  // is_memcpyable
+    // The storage's bytes as they are: not mutable_data_ptr, which would
+    // materialize a lazy clone and is refused on inference tensors.
+    char* bytes = const_cast<char*>(static_cast<const char*>(storage->data()));
+    out.segs.push_back({bytes + impl->storage_offset() * es, off * es, n * es});
+    out.run_member.push_back(i);
+  } else {
+    out.strided.push_back(i);
+  }
+}
+
+// check_and_collect over members [b, e), appending to `out`, in one pass.
+// Returns false, having raised nothing, if one of them is not plain: a bad
+// member's error waits until the rest are known to be plain.
 bool check_range(const char* what, const std::vector<const at::Tensor*>& members,
                  const std::vector<int64_t>& offsets, const at::Tensor& flat, bool writable, size_t b,
                  size_t e, Checked& out) {
+  const FlatSide side(flat);
+  out.segs.reserve(out.segs.size() + (e - b));
+  out.run_member.reserve(out.run_member.size() + (e - b));
   for (size_t i = b; i < e; ++i) {
     if (!is_plain(*members[i])) return false;
-  }
-  // One pass, flat's side read once: this loop runs per tensor per call, and
-  // each extra pass over 1000 tensors re-reads their TensorImpls.
-  const c10::ScalarType dtype = flat.scalar_type();
-  const at::Device device = flat.device();
-  const int64_t numel = flat.numel();
-  const int64_t es = flat.element_size();
-  const c10::StorageImpl* flat_storage = flat.storage().unsafeGetStorageImpl();
-  for (size_t i = b; i < e; ++i) {
-    const at::Tensor& t = *members[i];
-    const int64_t off = offsets[i];
-    ZS_CHECK_VALUE(t.layout() == at::kStrided, "zeroshard: ", what, "[", i,
-                   "] must be a strided tensor, got layout ", t.layout());
-    ZS_CHECK_VALUE(t.scalar_type() == dtype, "zeroshard: ", what, "[", i, "] has dtype ",
-                   t.scalar_type(), " but flat has dtype ", dtype);
-    ZS_CHECK_VALUE(t.device() == device, "zeroshard: ", what, "[", i, "] is on ", t.device(),
-                   " but flat is on ", device);
-    const int64_t n = t.numel();
-    ZS_CHECK_VALUE(off >= 0 && off <= numel - n, "zeroshard: ", what, "[", i, "] range [", off,
-                   ", ", off + n, ") is out of bounds for flat of numel ", numel);
-    if (n == 0) continue;
-    out.reach = std::max(out.reach, off + n);
-    out.inference = out.inference || no_version_counter(t);
-    // Raw pointers bypass torch's storage bounds checks, and a storage freed
-    // with resize_(0) (as FSDP does on reshard) still hands out data_ptr() 0.
-    int64_t last = t.storage_offset() + n - 1;  // last element reached, in elements
-    if (!t.is_contiguous()) {
-      last = t.storage_offset();
-      const auto sizes = t.sizes();
-      const auto strides = t.strides();
-      for (size_t d = 0; d < sizes.size(); ++d) last += (sizes[d] - 1) * strides[d];
-    }
-    c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
-    const size_t have = storage->nbytes();
-    ZS_CHECK(static_cast<uint64_t>((last + 1) * es) <= have, "zeroshard: ", what, "[", i,
-             "] reaches byte ", (last + 1) * es, " of a storage of ", have,
-             " bytes (was its storage freed?)");
-    if (writable && c10::impl::cow::is_cow_data_ptr(storage->data_ptr())) {
-      c10::impl::cow::materialize_cow(storage);  // as copy_ would, before any write
-    }
-    // In flat's own storage: exactly its range there (a parameter viewing the
-    // FlatParameter) or apart from it. copy_ refuses dense partial overlaps.
-    if (storage == flat_storage && t.is_non_overlapping_and_dense()) {
-      const int64_t at = flat.storage_offset() + off;
-      const int64_t lo = t.storage_offset();
-      ZS_CHECK(lo >= at + n || at >= lo + n || (lo == at && t.is_contiguous()), "zeroshard: ", what, "[", i,
-               "]: unsupported operation: some elements of the input tensor and the written-to tensor "
-               "refer to a single memory location (it overlaps its own range of flat). Fix: clone() it first.");
-    }
-    if (is_memcpyable(t)) {
-      // mutable_data_ptr would bump nothing but is refused on inference tensors.
-      out.segs.push_back({const_cast<char*>(static_cast<const char*>(t.const_data_ptr())), off * es, n * es});
-      out.run_member.push_back(i);
-    } else {
-      out.strided.push_back(i);
+    try {
+      check_one(what, *members[i], i, offsets[i], side, writable, out);
+    } catch (...) {
+      for (size_t j = i + 1; j < e; ++j) {
+        if (!is_plain(*members[j])) return false;
+      }
+      throw;
     }
   }
   return true;
@@ -328,34 +352,48 @@ std::optional<std::vector<at::Tensor>> unflatten(const at::Tensor& flat,
 }
 
 // --- Python bindings -------------------------------------------------------
-// Arguments are unpacked by hand while holding the GIL (borrowed tensor
-// pointers pinned by a tuple); the copy itself runs without it.
+// Arguments are unpacked by hand while holding the GIL; the copy itself runs
+// without it.
 
-struct PyTensors {
-  py::object pin;  // a tuple: owns a reference to every tensor in `ptrs`
-  Tensors ptrs;
-};
-
-PyTensors unpack_tensors(py::handle seq, const char* what) {
-  // A tuple comes back as itself, anything else (a list) as a new tuple. Not
-  // PySequence_Fast, which returns a list as itself: with the GIL released,
-  // another thread's lst.clear() would free tensors mid-copy (a segfault on
-  // unmapped memory). The tuple costs an incref per tensor, on the cache line
-  // the type check below reads anyway.
-  PyTensors out{py::reinterpret_steal<py::object>(PySequence_Tuple(seq.ptr())), {}};
-  if (!out.pin) throw py::error_already_set();
-  const Py_ssize_t n = PyTuple_GET_SIZE(out.pin.ptr());
-  PyObject** items = PySequence_Fast_ITEMS(out.pin.ptr());  // a tuple's items
-  out.ptrs.reserve(n);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (!THPVariable_Check(items[i])) {
-      throw py::type_error(std::string("zeroshard: ") + what + "[" + std::to_string(i) +
-                           "] is not a Tensor");
+// The tensors of a Python sequence, each held by a reference of our own: with
+// the GIL released, another thread's lst.clear() must not free one mid-copy.
+// Not a tuple of them (PySequence_Tuple): each call's tuple was a GC-tracked
+// allocation, counted towards the collector's next run.
+class PyTensors {
+ public:
+  PyTensors(py::handle seq, const char* what) {
+    const std::string not_seq = std::string("zeroshard: ") + what + " must be a sequence of tensors";
+    auto fast = py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), not_seq.c_str()));
+    if (!fast) throw py::error_already_set();
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(fast.ptr());
+    owned_.refs.reserve(n);
+    ptrs.reserve(n);
+    // No Python code runs in this loop (THPVariable_Check's isinstance is
+    // type.__instancecheck__, in C), so a list cannot change under it.
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      PyObject* item = PySequence_Fast_GET_ITEM(fast.ptr(), i);
+      if (!THPVariable_Check(item)) {
+        throw py::type_error(std::string("zeroshard: ") + what + "[" + std::to_string(i) + "] is not a Tensor");
+      }
+      Py_INCREF(item);
+      owned_.refs.push_back(item);
+      ptrs.push_back(&THPVariable_Unpack(item));
     }
-    out.ptrs.push_back(&THPVariable_Unpack(items[i]));
   }
-  return out;
-}
+
+  Tensors ptrs;
+
+ private:
+  struct Refs {  // released with the GIL held: after the nogil scope, or when the constructor throws
+    std::vector<PyObject*> refs;
+    Refs() = default;
+    Refs(const Refs&) = delete;
+    Refs& operator=(const Refs&) = delete;
+    ~Refs() {
+      for (PyObject* o : refs) Py_DECREF(o);
+    }
+  } owned_;
+};
 
 std::vector<int64_t> unpack_ints(py::handle seq, const char* what) {
   auto fast = py::reinterpret_steal<py::object>(PySequence_Fast(seq.ptr(), what));
@@ -379,7 +417,7 @@ std::vector<int64_t> unpack_ints(py::handle seq, const char* what) {
 }
 
 py::object py_flatten_into(py::handle tensors, py::handle offsets, const at::Tensor& flat) {
-  PyTensors ts = unpack_tensors(tensors, "tensors");
+  PyTensors ts(tensors, "tensors");
   std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
   bool done;
   {
@@ -390,7 +428,7 @@ py::object py_flatten_into(py::handle tensors, py::handle offsets, const at::Ten
 }
 
 py::object py_flatten(py::handle tensors, py::handle offsets, int64_t total_numel) {
-  PyTensors ts = unpack_tensors(tensors, "tensors");
+  PyTensors ts(tensors, "tensors");
   std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
   std::optional<at::Tensor> flat;
   {
@@ -402,7 +440,7 @@ py::object py_flatten(py::handle tensors, py::handle offsets, int64_t total_nume
 }
 
 py::object py_unflatten_into(const at::Tensor& flat, py::handle offsets, py::handle outs) {
-  PyTensors os = unpack_tensors(outs, "outs");
+  PyTensors os(outs, "outs");
   std::vector<int64_t> offs = unpack_ints(offsets, "offsets must be a sequence of ints");
   bool done;
   {

@@ -109,6 +109,12 @@ inline bool is_memcpyable(const at::Tensor& t) {
   return t.is_contiguous() && !t.is_conj() && !t.is_neg() && !t._is_zerotensor();
 }
 
+// An inference tensor, or a tensor that got one's .data: its version bump
+// raises outside InferenceMode.
+inline bool no_version_counter(const at::Tensor& t) {
+  return !t.unsafeGetTensorImpl()->version_counter().enabled();
+}
+
 void check_flat(const at::Tensor& flat);
 
 // flat itself must be plain row-major memory: a conj/neg view or a zero tensor
