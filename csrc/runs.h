@@ -151,7 +151,7 @@ struct Checked {
 // the pure-torch path); otherwise raises the first bad member's error before
 // anything is written. Lists of 2 * kMembersPerSlice members or more are
 // checked in parallel slices of at least kMembersPerSlice, one per thread
-// (none inside another parallel region).
+// (none inside another parallel region, and none for a CUDA flat).
 constexpr size_t kMembersPerSlice = 256;
 bool check_and_collect(const char* what, const std::vector<const at::Tensor*>& members,
                        const std::vector<int64_t>& offsets, const at::Tensor& flat, bool writable,
