@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from . import comm, trace
+from .cli_args import positive_int
 from .fully_sharded import FullyShardedDataParallel
 from .handle import unsharded_tracker
 from .options import BackwardPrefetch, ShardingStrategy
@@ -202,14 +203,14 @@ def _run(rank, world_size, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zeroshard demo", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=int, default=2, help="CPU ranks to spawn (gloo processes, one thread each)")
-    p.add_argument("--steps", type=int, default=20, help="training steps (each rank: one batch per step)")
+    p.add_argument("--world-size", type=positive_int, default=2, help="CPU ranks to spawn (gloo processes, one thread each)")
+    p.add_argument("--steps", type=positive_int, default=20, help="training steps (each rank: one batch per step)")
     p.add_argument("--strategy", default="FULL_SHARD", choices=[s.name for s in ShardingStrategy if "HYBRID" not in s.name],
                    help="FULL_SHARD = ZeRO-3, SHARD_GRAD_OP = ZeRO-2, NO_SHARD = plain data parallelism")
     p.add_argument("--prefetch", default="BACKWARD_PRE", choices=["BACKWARD_PRE", "BACKWARD_POST", "NONE"],
                    help="when backward issues the next unit's all-gather: as a unit's backward starts, after it, or on demand")
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--ctx", type=int, default=64)
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--ctx", type=positive_int, default=64)
     p.add_argument("--chars", type=int, default=200_000)
     p.add_argument("--no-compare", dest="compare", action="store_false", help="skip the torch FSDP1 reference run")
     p.add_argument("--trace", metavar="OUT.json", default=None,
@@ -217,9 +218,6 @@ def main(argv=None):
     p.add_argument("--progress", default="auto", choices=["auto", "bar", "lines"],
                    help="per-step report: a tqdm bar (auto: on a terminal, when tqdm is installed) or plain lines")
     args = vars(p.parse_args(argv))
-    for flag in ("world_size", "steps", "batch", "ctx"):
-        if args[flag] < 1:
-            p.error(f"--{flag.replace('_', '-')} must be at least 1, got {args[flag]}")
     if args["chars"] < args["ctx"] + 2:
         p.error(f"--chars must exceed --ctx + 1 (a window and its next character), got {args['chars']} with --ctx {args['ctx']}")
     if args["trace"]:

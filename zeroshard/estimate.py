@@ -59,7 +59,7 @@ from .flat_param import build_layout, collect_params
 from .fully_sharded import FullyShardedDataParallel
 from .hooks import MAX_LIVE_PREFETCH_UNITS
 from .options import ShardingStrategy
-from .simulate import positive_float, positive_int
+from .cli_args import positive_float, positive_int
 from .wrap import ModuleWrapPolicy, wrap_submodules
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "ZERO1", "NO_SHARD")

@@ -50,6 +50,8 @@ import math
 import sys
 from dataclasses import dataclass
 
+from .cli_args import positive_float, positive_int
+
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
 
@@ -297,28 +299,6 @@ def custom_report(r: Result, title: str) -> str:
             ("executed TFLOPS/GPU (with recompute)", f"{r.hw_tflops:.1f}")]
     rows += [(f"bytes sent/rank/step: {k}", f"{v:,.0f} ({v / 2**30:.2f} GiB)") for k, v in r.comm_bytes.items()]
     return "\n".join(lines + [f"| {a} | {b} |" for a, b in rows])
-
-
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1 (a world size, a group, a count)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """argparse type: a finite number > 0 (a parameter count)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
-    return value
 
 
 def _fraction(low_open: bool):

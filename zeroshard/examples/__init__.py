@@ -11,10 +11,3 @@
 Each has a small size (``--small``) that CI runs (tests/test_examples.py).
 """
 
-
-def at_least_one(text: str) -> int:
-    """An argparse type for counts (ranks, steps, epochs): a usage error below 1, not a crash or a silent no-op."""
-    value = int(text)
-    if value < 1:
-        raise ValueError(text)  # argparse: "invalid at_least_one value: '0'"
-    return value

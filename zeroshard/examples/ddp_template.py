@@ -47,7 +47,7 @@ import torch.optim as optim
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import zeroshard as fsdp
-from zeroshard.examples import at_least_one
+from zeroshard.cli_args import positive_int
 from zeroshard.testing import free_port
 
 FSDP = fsdp.FullyShardedDataParallel
@@ -176,8 +176,8 @@ def worker(rank, world_size, args, port=None):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zeroshard.examples.ddp_template", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=at_least_one, default=2, help="ranks to spawn (ignored under torchrun)")
-    p.add_argument("--steps", type=at_least_one, default=20)
+    p.add_argument("--world-size", type=positive_int, default=2, help="ranks to spawn (ignored under torchrun)")
+    p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--small", action="store_true", help="CI size: 5 steps")
     args = p.parse_args(argv)
     if args.small:

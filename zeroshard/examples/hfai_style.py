@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zeroshard.compat.hfai import FullyShardedDataParallel, size_based_auto_wrap_policy
-from zeroshard.examples import at_least_one
+from zeroshard.cli_args import positive_int
 from zeroshard.testing import spawn
 
 
@@ -66,9 +66,9 @@ def train(rank, world_size, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zeroshard.examples.hfai_style", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=at_least_one, default=4)
+    p.add_argument("--world-size", type=positive_int, default=4)
     p.add_argument("--group-size", type=int, default=2)
-    p.add_argument("--steps", type=at_least_one, default=10)
+    p.add_argument("--steps", type=positive_int, default=10)
     p.add_argument("--out", default=None, help="checkpoint folder (default: a temporary one)")
     args = vars(p.parse_args(argv))
     with tempfile.TemporaryDirectory() as tmp:

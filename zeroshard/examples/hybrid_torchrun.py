@@ -40,7 +40,7 @@ import torch.nn.functional as F
 
 import zeroshard as zs
 from zeroshard.demo import Block, CharGPT, _batches, load_text
-from zeroshard.examples import at_least_one
+from zeroshard.cli_args import positive_int
 
 
 def build(engine: str, vocab: int, args, nnodes: int, per_node: int):
@@ -74,9 +74,9 @@ def train(model, ids, rank, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="torchrun ... -m zeroshard.examples.hybrid_torchrun", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=at_least_one, default=20)
-    p.add_argument("--batch", type=at_least_one, default=8)
-    p.add_argument("--ctx", type=at_least_one, default=32)
+    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--ctx", type=positive_int, default=32)
     p.add_argument("--d", type=int, default=64)
     p.add_argument("--small", action="store_true", help="CI size: 4 steps")
     args = p.parse_args(argv)

@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import zeroshard as fsdp
-from zeroshard.examples import at_least_one
+from zeroshard.cli_args import positive_int
 from zeroshard.testing import free_port
 from zeroshard.wrap import size_based_auto_wrap_policy
 
@@ -182,13 +182,13 @@ def fsdp_main(rank, world_size, args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m zeroshard.examples.mnist_digits", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--batch-size", type=at_least_one, default=64, metavar="N", help="input batch size per rank for training")
-    parser.add_argument("--test-batch-size", type=at_least_one, default=1000, metavar="N")
-    parser.add_argument("--epochs", type=at_least_one, default=10, metavar="N")
+    parser.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="input batch size per rank for training")
+    parser.add_argument("--test-batch-size", type=positive_int, default=1000, metavar="N")
+    parser.add_argument("--epochs", type=positive_int, default=10, metavar="N")
     parser.add_argument("--lr", type=float, default=1.0, metavar="LR", help="Adadelta learning rate")
     parser.add_argument("--gamma", type=float, default=0.7, metavar="M", help="learning rate step gamma")
     parser.add_argument("--seed", type=int, default=1, metavar="S")
-    parser.add_argument("--world-size", type=at_least_one, default=2)
+    parser.add_argument("--world-size", type=positive_int, default=2)
     parser.add_argument("--save-model", default=None, metavar="PATH",
                         help="where rank 0 saves the FULL state dict (default: a temporary file)")
     parser.add_argument("--no-save", dest="save", action="store_false")

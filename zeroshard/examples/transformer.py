@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import zeroshard as fsdp
 from zeroshard import checkpoint
 from zeroshard.demo import _batches, load_text
-from zeroshard.examples import at_least_one
+from zeroshard.cli_args import positive_int
 from zeroshard.optim_state import init_optim_state
 from zeroshard.testing import spawn
 from zeroshard.wrap import transformer_auto_wrap_policy
@@ -144,11 +144,11 @@ def run(rank, world_size, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zeroshard.examples.transformer", description=__doc__.split("\n\n")[0])
-    p.add_argument("--world-size", type=at_least_one, default=2)
-    p.add_argument("--steps", type=at_least_one, default=40)
+    p.add_argument("--world-size", type=positive_int, default=2)
+    p.add_argument("--steps", type=positive_int, default=40)
     p.add_argument("--save-at", type=int, default=20, help="save the checkpoint after this many steps")
-    p.add_argument("--batch", type=at_least_one, default=8)
-    p.add_argument("--ctx", type=at_least_one, default=32)
+    p.add_argument("--batch", type=positive_int, default=8)
+    p.add_argument("--ctx", type=positive_int, default=32)
     p.add_argument("--ckpt", default=None, help="checkpoint directory (default: a temporary one)")
     p.add_argument("--small", action="store_true", help="CI size: 8 steps, checkpoint at 4")
     args = vars(p.parse_args(argv))

@@ -25,6 +25,7 @@ import sys
 
 import torch
 
+from ..cli_args import positive_int
 from .parity import ParityError, assert_parity, default_input
 from .ranks import spawn
 
@@ -96,9 +97,6 @@ def cli_rank(rank, world_size, args: dict):
 
 def _usage_problem(args: dict) -> str | None:
     """What makes these options unusable, found here before any rank starts."""
-    for flag in ("world_size", "steps"):
-        if args[flag] < 1:
-            return f"--{flag.replace('_', '-')} must be at least 1, got {args[flag]}"
     if args["wrap"] in ("module", "transformer") and not args["wrap_class"]:
         return f"--wrap {args['wrap']} needs at least one --wrap-class NAME"
     if args["cwd"] not in sys.path:
@@ -120,8 +118,8 @@ def main(argv=None) -> int:
     sub = p.add_subparsers(dest="command", required=True)
     q = sub.add_parser("parity", help="compare zeroshard with torch FSDP1 on your model, bit for bit")
     q.add_argument("factory", help="module:function returning an nn.Module (called once, under torch.manual_seed(seed))")
-    q.add_argument("--world-size", type=int, default=2)
-    q.add_argument("--steps", type=int, default=3)
+    q.add_argument("--world-size", type=positive_int, default=2)
+    q.add_argument("--steps", type=positive_int, default=3)
     q.add_argument("--strategy", default="FULL_SHARD", choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
     q.add_argument("--wrap", choices=["none", "module", "transformer", "size"], default=None,
                    help="auto-wrap policy (default: module if --wrap-class is given, else none)")
