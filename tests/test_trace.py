@@ -225,3 +225,44 @@ def test_hybrid_replica_all_reduce_is_on_the_timeline(ranks):
     for kinds, calls in ranks.run(4, _hybrid_spans):
         for kind in ("all_gather", "reduce_scatter", "all_reduce"):
             assert kinds.get(kind) == calls[kind], (kind, kinds, calls)
+
+
+class _Student(torch.nn.Module):
+    """A wrapped teacher of the same class runs inside the student's forward."""
+
+    def __init__(self, teacher):
+        super().__init__()
+        self.net, self.teacher = _model(), teacher
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(x)
+        return ((self.net(x) - target) ** 2).mean()
+
+
+def _two_models(rank, world_size):
+    student = _Student(_model())
+    opt = torch.optim.SGD(student.net.parameters(), lr=0.1)
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
+    student(x).backward()  # the first iteration records each model's execution order
+    opt.step()
+    with trace.record() as tl:
+        student(x).backward()
+    names = [u._handle.unit_name for m in (student.net, student.teacher) for u in m.modules() if isinstance(u, zs.FSDP)]
+    return {(s.kind, s.unit): s.args.get("unfinished", False) for s in tl.spans}, names
+
+
+def test_two_models_with_the_same_unit_names_keep_their_own_spans(ranks):
+    """Spans were keyed by unit name, and two models of one class share every name:
+    the teacher's root forward, run inside the student's, ended the student's open
+    root span, so the student's was lost (and its name was ambiguous anyway)."""
+    for spans, names in ranks.run(2, _two_models):
+        assert names[: N_BLOCKS + 1] == names[N_BLOCKS + 1 :]  # the same names in both models
+        root = names[0]
+        assert ("forward", root) in spans and ("forward", root + " #2") in spans, sorted(spans)
+        for name in names[1 : N_BLOCKS + 1]:
+            assert {("forward", name), ("forward", name + " #2")} <= set(spans), sorted(spans)
+            # Names follow first appearance: the teacher's forward runs first, so the
+            # student is "#2"; only the student has a backward.
+            assert ("backward", name + " #2") in spans and ("backward", name) not in spans, sorted(spans)
+        assert not any(spans.values()), spans  # every span ended where it should, none at the recording's end

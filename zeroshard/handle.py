@@ -312,7 +312,7 @@ class FlatParamHandle(OrigParams, FullParams):
         self.unsharded = True
         unsharded_tracker.add(self)
         if trace._active:
-            trace.unsharded(self.unit_name, unsharded_tracker.live_bytes, gathered=self.sharded)
+            trace.unsharded(self, unsharded_tracker.live_bytes, gathered=self.sharded)
 
     def wait_unshard(self, full_precision: bool = False):
         """Finish the all-gather and point the parameters at the full tensors."""
@@ -322,7 +322,7 @@ class FlatParamHandle(OrigParams, FullParams):
             self._gather_work.wait()
             self._gather_work = None
             if trace._active:
-                trace.gather_waited(self.unit_name, t)
+                trace.gather_waited(self, t)
         self.flat_param.data = self._full[: self.layout.numel]
         self.use_unsharded_views()
 
@@ -377,7 +377,7 @@ class FlatParamHandle(OrigParams, FullParams):
             self.use_sharded_views()
         self.prefetched = False
         if trace._active:
-            trace.resharded(self.unit_name, self.padded_bytes if was_unsharded and not self.unsharded else 0, unsharded_tracker.live_bytes)
+            trace.resharded(self, self.padded_bytes if was_unsharded and not self.unsharded else 0, unsharded_tracker.live_bytes)
 
     # ---------------------------------------------------------------- gradients
     def prepare_gradient_for_backward(self):

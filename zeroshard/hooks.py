@@ -127,7 +127,7 @@ def pre_forward(state):
     handle.forward_version = handle.flat_param._version if handle.sharded else None  # (kept.keep_forward_edits)
     _hook_post_backward(state, handle)
     if trace._active:
-        trace.span_begin("forward", handle.unit_name)
+        trace.span_begin("forward", handle)
     handle.needs_pre_forward_unshard = False
     if state.forward_prefetch and not rt.first_iter and handle.pre_forward_index is not None:
         nxt = handle.pre_forward_index + 1
@@ -214,7 +214,7 @@ def post_forward(state, output):
             handle.post_forward_index = len(rt.post_forward_order)
             rt.post_forward_order.append(handle)
         if trace._active:
-            trace.span_end("forward", handle.unit_name)
+            trace.span_end("forward", handle)
         # The root keeps its parameters for backward, which starts with it;
         # ZeRO-2 keeps them all. Without grad mode no backward will come to
         # free them, so they are freed right away; except a ZeRO-2 unit fed
@@ -311,7 +311,7 @@ def pre_backward(state):
     if handle.needs_pre_backward_unshard:
         _unshard_for_compute(state, handle)
     if trace._active:
-        trace.span_begin("backward", handle.unit_name)
+        trace.span_begin("backward", handle)
     handle.needs_pre_backward_unshard = False
     if state.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
         _prefetch(state, handle, _backward_target(rt, handle))
@@ -339,7 +339,7 @@ def post_backward(state, flat_param, through_graph=False):
     handle.post_backward_called = True
     handle.state = HandleState.BACKWARD_POST
     if trace._active:
-        trace.span_end("backward", handle.unit_name)
+        trace.span_end("backward", handle)
     if flat_param.grad is None:
         return
     if flat_param.grad.requires_grad:
@@ -385,7 +385,7 @@ def post_backward_final(root):
         handle = state._handle
         if handle is not None:
             if trace._active:  # a unit whose post-backward hook never ran
-                trace.span_end("backward", handle.unit_name)
+                trace.span_end("backward", handle)
             # Still gathered (outputs unused by the loss, a frozen unit), or views left in place of the
             # original parameters (a frozen NO_SHARD unit: no post-backward re-registered them).
             # A backward with create_graph=True (a gradient penalty) keeps the full parameters of the

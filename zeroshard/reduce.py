@@ -77,7 +77,7 @@ def _spans(entries, mark, kind: str | None = None) -> None:
     """A trace span's begin or end (``mark``) for each unit reduced (its own collective's kind by default)."""
     if trace._active:
         for h, _ in entries:
-            mark(kind or _kind(h), h.unit_name)
+            mark(kind or _kind(h), h)
 
 
 def _kind(h) -> str:
@@ -170,7 +170,7 @@ def _run_hook(handle) -> HookedReduction:
     hook, state = handle.comm_hook
     flat = handle.flat_param
     if trace._active:
-        trace.span_begin(_kind(handle), handle.unit_name)
+        trace.span_begin(_kind(handle), handle)
     if handle.sharded:
         grad = flat.grad.data
         flat.grad = None  # as on the default path: a second backward writes a new tensor
@@ -182,7 +182,7 @@ def _run_hook(handle) -> HookedReduction:
         hook(state, flat.grad)  # reduces .grad in place
         out = flat.grad
     if trace._active:
-        trace.span_end(_kind(handle), handle.unit_name)
+        trace.span_end(_kind(handle), handle)
     return HookedReduction(handle, out.data)
 
 

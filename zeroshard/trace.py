@@ -6,7 +6,8 @@
     tl.plot("step.png")                            # needs matplotlib
 
 Recorded, with ``time.perf_counter_ns`` timestamps relative to the start of
-the block, and named by each unit's ``unit_name``:
+the block, and named by each unit's ``unit_name`` (units of a second model
+with the same names get " #2", and so on):
 
 * ``all_gather`` spans (track "all_gather"): from issuing a unit's
   all-gather (``FlatParamHandle.unshard``) to its completion (the end of the
@@ -68,7 +69,9 @@ class Timeline:
     spans: list = field(default_factory=list)
     instants: list = field(default_factory=list)  # (kind, unit, t_ns, args)
     counters: list = field(default_factory=list)  # (t_ns, live_bytes)
-    _open: dict = field(default_factory=dict, repr=False)  # (kind, unit) -> (start_ns, args)
+    _open: dict = field(default_factory=dict, repr=False)  # (kind, unit key) -> (start_ns, args, name)
+    _names: dict = field(default_factory=dict, repr=False)  # id(handle) -> (its unit_name, the name shown)
+    _seen: dict = field(default_factory=dict, repr=False)  # unit_name -> handles recorded under it
 
     # ----------------------------------------------------------- querying
     def select(self, kind: str | None = None, unit: str | None = None) -> list[Span]:
@@ -133,8 +136,8 @@ def record(rank: int | None = None):
     finally:
         _active.remove(tl)
         end = time.perf_counter_ns() - tl.start_ns
-        for (kind, unit), (start, args) in tl._open.items():  # e.g. an exception mid-step
-            tl.spans.append(Span(kind, unit, start, end, {**args, "unfinished": True}))
+        for (kind, _key), (start, args, name) in tl._open.items():  # e.g. an exception mid-step
+            tl.spans.append(Span(kind, name, start, end, {**args, "unfinished": True}))
         tl._open.clear()
         tl.spans.sort(key=lambda s: (s.start_ns, -s.end_ns))
 
@@ -152,32 +155,49 @@ def now() -> int:
     return time.perf_counter_ns()
 
 
-def span_begin(kind: str, unit: str, t: int | None = None, **args):
+def _label(tl: Timeline, unit) -> tuple:
+    """(key, shown name) of ``unit`` in this recording: a plain name, or a unit's handle
+    (anything with a ``unit_name``). Handles that share a name, as two models of one
+    class do, get their own open spans and names ("blocks.0 (Block) #2"): one model
+    run inside another's forward (a teacher in a student's) no longer ends, or loses,
+    the other's span of the same name."""
+    if isinstance(unit, str):
+        return unit, unit
+    base = unit.unit_name
+    known = tl._names.get(id(unit))
+    if known is None or known[0] != base:  # new, or renamed (a root's lazy init names units by path)
+        n = tl._seen[base] = tl._seen.get(base, 0) + 1
+        known = tl._names[id(unit)] = (base, base if n == 1 else f"{base} #{n}")
+    return id(unit), known[1]
+
+
+def span_begin(kind: str, unit, t: int | None = None, **args):
     t = time.perf_counter_ns() if t is None else t
     for tl in _active:
-        tl._open[(kind, unit)] = (t - tl.start_ns, args)
+        key, name = _label(tl, unit)
+        tl._open[(kind, key)] = (t - tl.start_ns, args, name)
 
 
-def span_end(kind: str, unit: str, t: int | None = None):
+def span_end(kind: str, unit, t: int | None = None):
     """End the open span of (kind, unit); a no-op when none is open."""
     t = time.perf_counter_ns() if t is None else t
     for tl in _active:
-        opened = tl._open.pop((kind, unit), None)
+        opened = tl._open.pop((kind, _label(tl, unit)[0]), None)
         if opened is not None:
-            tl.spans.append(Span(kind, unit, opened[0], t - tl.start_ns, opened[1]))
+            tl.spans.append(Span(kind, opened[2], opened[0], t - tl.start_ns, opened[1]))
 
 
-def span(kind: str, unit: str, start: int, end: int | None = None, **args):
+def span(kind: str, unit, start: int, end: int | None = None, **args):
     """A span whose start was taken earlier (``now()``)."""
     end = time.perf_counter_ns() if end is None else end
     for tl in _active:
-        tl.spans.append(Span(kind, unit, start - tl.start_ns, end - tl.start_ns, args))
+        tl.spans.append(Span(kind, _label(tl, unit)[1], start - tl.start_ns, end - tl.start_ns, args))
 
 
-def instant(kind: str, unit: str, **args):
+def instant(kind: str, unit, **args):
     t = time.perf_counter_ns()
     for tl in _active:
-        tl.instants.append((kind, unit, t - tl.start_ns, args))
+        tl.instants.append((kind, _label(tl, unit)[1], t - tl.start_ns, args))
 
 
 def counter(live_bytes: int):
@@ -187,20 +207,20 @@ def counter(live_bytes: int):
 
 
 # Composite calls, so each engine hook point stays one line.
-def unsharded(unit: str, live_bytes: int, gathered: bool):
+def unsharded(unit, live_bytes: int, gathered: bool):
     if gathered:  # an all-gather was issued (not NO_SHARD's local cast)
         span_begin("all_gather", unit)
     counter(live_bytes)
 
 
-def gather_waited(unit: str, wait_start: int):
+def gather_waited(unit, wait_start: int):
     t = time.perf_counter_ns()
     if wait_start:  # 0 when the recording began during the wait
         span("wait", unit, wait_start, t)
     span_end("all_gather", unit, t)
 
 
-def resharded(unit: str, freed_bytes: int, live_bytes: int):
+def resharded(unit, freed_bytes: int, live_bytes: int):
     """A unit pointed back at its shard: a "reshard" mark only where it freed its
     full parameters (ZeRO-2 after forward and the root keep them: no mark)."""
     span_end("all_gather", unit)  # a prefetch nobody consumed completes here
