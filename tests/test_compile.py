@@ -64,3 +64,20 @@ def _compiled_equals_torch(rank, world_size, strategy, use_orig_params, where):
     ("SHARD_GRAD_OP", True, "inside")])
 def test_torch_compile_trains_as_torch_fsdp_does(ranks, strategy, use_orig_params, where):
     assert all(ranks.run(2, _compiled_equals_torch, strategy, use_orig_params, where))
+
+
+def _fullgraph_message(rank, world_size):
+    torch._dynamo.reset()
+    model = zs.FullyShardedDataParallel(build("mlp"), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    try:
+        torch.compile(model, backend="eager", fullgraph=True)(batch("mlp", rank, 0))
+    except Exception as e:  # noqa: BLE001 - dynamo's Unsupported, wrapped or not
+        return str(e)
+    return None
+
+
+def test_fullgraph_says_why_and_what_to_compile(ranks):
+    """fullgraph=True cannot cross a unit (the runtime is eager, as torch FSDP1's); dynamo's
+    own hint told users to remove the torch.compiler.disable call from zeroshard."""
+    (msg,) = ranks.run(1, _fullgraph_message)
+    assert msg is not None and "runs eagerly" in msg and "Fix: compile without fullgraph=True" in msg, msg
