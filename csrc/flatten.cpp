@@ -13,6 +13,7 @@
 #include "copy_cpu.h"
 
 #include <ATen/MemoryOverlap.h>
+#include <c10/util/ParallelGuard.h>
 #include <c10/core/impl/COWDeleter.h>
 
 #include <algorithm>
@@ -98,7 +99,14 @@ void check_one(const char* what, const at::Tensor& t, size_t i, int64_t off, con
   ZS_CHECK(static_cast<uint64_t>((last + 1) * es) <= have, "zeroshard: ", what, "[", i, "] reaches byte ",
            (last + 1) * es, " of a storage of ", have, " bytes (was its storage freed?)");
   if (writable && storage->data_ptr().get_deleter() == &c10::impl::cow::cow_deleter) {
-    (void)storage->mutable_data();  // gives a lazy clone its own copy, as copy_ would, before any write
+    // A lazy clone gets its own copy, as copy_ would give it, before any
+    // write; torch refuses that inside at::parallel_for (an INTERNAL ASSERT),
+    // so a parallel slice leaves it to a serial pass.
+    if (c10::ParallelGuard::is_enabled()) {
+      out.lazy_clone = true;
+    } else {
+      (void)storage->mutable_data();
+    }
   }
   // In flat's own storage: exactly its range there (a parameter viewing the
   // FlatParameter) or apart from it. copy_ refuses dense partial overlaps.
@@ -175,6 +183,9 @@ bool check_in_slices(const char* what, const std::vector<const at::Tensor*>& mem
   }
   for (const Slice& p : parts) {
     if (p.error) std::rethrow_exception(p.error);
+  }
+  for (const Slice& p : parts) {  // rare: lazily cloned destinations in a long list
+    if (p.found.lazy_clone) return check_range(what, members, offsets, flat, writable, 0, n, out);
   }
   for (const Slice& p : parts) {
     append(out.segs, p.found.segs);

@@ -137,6 +137,9 @@ struct Checked {
   // A non-empty member has no version counter: an inference tensor, or a
   // tensor that got one's .data. Its bump must run on the calling thread.
   bool inference = false;
+  // A writable member is a lazy clone met inside a parallel slice, which may
+  // not give it its own copy: the slices' result is redone on the calling thread.
+  bool lazy_clone = false;
 };
 
 // Checks members (sources of flatten, destinations of unflatten) against the

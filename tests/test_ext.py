@@ -623,6 +623,32 @@ def test_lazy_clones_are_written_apart_and_read_in_place():
     assert ext.unflatten(src, [0], [(4,)])[0].tolist() == [0.0, 1.0, 2.0, 3.0] and torch._C._is_cow_tensor(src)
 
 
+
+@needs_ext
+def test_lazy_clones_in_long_lists_checked_in_parallel_slices(four_threads):
+    """Long lists are checked in slices on several threads, and torch refuses to give a
+    lazy clone its own copy inside at::parallel_for: unflatten_into, and a CopyPlan either
+    way (its table treats members as destinations), failed with a PyTorch INTERNAL ASSERT
+    where the python path works. The clone now gets its copy on the calling thread."""
+    n = 600
+    offsets = [2 * i for i in range(n)]
+    flat = -torch.arange(2.0 * n)
+    for how in ("one-shot", "plan unflatten", "plan flatten"):
+        src = torch.arange(2.0)
+        members = [torch.zeros(2) for _ in range(n)]
+        members[400] = torch._lazy_clone(src)
+        if how == "one-shot":
+            ext.unflatten_into(flat, offsets, members)
+        elif how == "plan unflatten":
+            ext.CopyPlan(members, offsets).unflatten_into(flat)
+        else:
+            out = torch.zeros(2 * n)
+            ext.CopyPlan(members, offsets).flatten_into(out)
+            assert out[800:802].tolist() == [0.0, 1.0] and out[:2].tolist() == [0.0, 0.0], how
+            continue
+        assert members[400].tolist() == [-800.0, -801.0] and src.tolist() == [0.0, 1.0], how
+        assert members[3].tolist() == [-6.0, -7.0], how
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_refused_writes_raise_before_anything_is_written(backend):
     """A member that partly overlaps its own range of flat was memcpy'd over itself
