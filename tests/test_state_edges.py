@@ -768,3 +768,47 @@ def test_a_full_dict_loaded_under_local_names_the_state_dict_type(ranks):
     strict=False', which loads none of it."""
     for msg in ranks.run(2, _full_dict_under_local):
         assert "this is a FULL or SHARDED state dict" in msg and "state_dict_type it was saved with" in msg, msg
+
+
+def _local_kept_and_summoned(rank, world_size, strategy):
+    import zeroshard as zs
+
+    F, LOCAL = zs.FullyShardedDataParallel, zs.StateDictType.LOCAL_STATE_DICT
+    src = build("mlp", seed=3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        m = _wrap("zeroshard", copy.deepcopy(src), {**DEFAULTS, "strategy": strategy, "use_orig_params": True})
+        fresh = _wrap("zeroshard", copy.deepcopy(src), {**DEFAULTS, "strategy": strategy, "use_orig_params": True})
+    with F.state_dict_type(m, LOCAL):
+        idle = {k: v.clone() if torch.is_tensor(v) and not hasattr(v, "local_shards") else v
+                for k, v in m.state_dict().items()}
+    idle_shapes = {k: tuple(v.shape) for k, v in idle.items() if torch.is_tensor(v)}
+    out = m(batch("mlp", rank, 0))  # grad mode, backward still to come: units kept gathered
+    with F.state_dict_type(m, LOCAL):
+        kept = m.state_dict()
+    assert {k: tuple(v.shape) for k, v in kept.items() if torch.is_tensor(v)} == idle_shapes
+    with F.state_dict_type(fresh, LOCAL):
+        fresh.load_state_dict(kept)  # used to raise: "'...weight' has shape (8, 8) but the model's is (36,)"
+    with F.state_dict_type(m, LOCAL):
+        m.load_state_dict(idle)  # into the kept units themselves: refused with the same error before
+    del out  # its backward would fail as a plain model's does: the load wrote into tensors it saved
+    m(batch("mlp", rank, 1)).float().pow(2).mean().backward()
+    fresh(batch("mlp", rank, 1)).float().pow(2).mean().backward()
+    for model in (m, fresh):
+        with F.summon_full_params(model), F.state_dict_type(model, LOCAL):
+            for call in (model.state_dict, lambda: model.load_state_dict(idle)):
+                with pytest.raises(RuntimeError, match="inside summon_full_params"):
+                    call()  # returned full tensors and no flat shard, a dict nothing loads
+    with F.summon_full_params(m), F.summon_full_params(fresh):
+        assert all(torch.equal(a, b) for a, b in zip(m.parameters(), fresh.parameters()))
+    return True
+
+
+@pytest.mark.parametrize("strategy", ["SHARD_GRAD_OP", "FULL_SHARD"])
+def test_local_state_dict_with_kept_units_and_inside_summon(ranks, strategy):
+    """use_orig_params units kept gathered after a forward (every unit under ZeRO-2, the
+    root under ZeRO-3) showed their full parameters, so a LOCAL state_dict() saved full
+    tensors (as torch FSDP1 does) that no LOCAL load accepts, and a LOCAL load into them
+    refused a good dict. Inside summon_full_params a LOCAL dict was neither LOCAL nor
+    loadable (torch raises a ShardedTensor offset error); both calls are refused there."""
+    assert all(ranks.run(2, _local_kept_and_summoned, strategy))

@@ -46,6 +46,32 @@ def _layout(root, prefix: str):
     return sharded, full
 
 
+def _refuse_summoned(root, what: str):
+    """Inside summon_full_params the units hold their full parameters under the plain names and
+    no flat shard: a LOCAL dict taken there was neither LOCAL nor loadable (torch FSDP1 fails with
+    a ShardedTensor offset error)."""
+    busy = next((u for u in units_of(root) if u._summoning), None)
+    if busy is not None:
+        raise RuntimeError(f"zeroshard: LOCAL_STATE_DICT {what} inside summon_full_params (of unit "
+                           f"{type(busy.module).__name__}), where the units hold full parameters, not their shards. "
+                           "Fix: call it outside the summon_full_params block.")
+
+
+def _kept_shards(sharded) -> dict:
+    """id of each full view that a unit kept gathered since a forward with grad (use_orig_params:
+    ZeRO-2, or a backward still to come) shows under an original parameter's name -> that
+    parameter's shard view, which the LOCAL dict holds. torch FSDP1 saves the full tensors there,
+    a dict that neither engine loads back."""
+    out = {}
+    for _, h in sharded:
+        if h.use_orig_params:
+            for i, (p, info) in enumerate(zip(h.orig_params, h.layout.params)):
+                shown = info.module._parameters.get(info.name)
+                if shown is not None and shown is not p:
+                    out[id(shown)] = h.shard_view(i)
+    return out
+
+
 def _refuse_mesh(root):
     """torch FSDP1 refuses LOCAL_STATE_DICT for a model wrapped with a
     ``device_mesh`` (it saves DTensors there, which LOCAL has no form for);
@@ -79,7 +105,9 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     (``compat.hfai``: per-rank files for torch.save) gets each flat entry as the
     plain padded shard instead of a ShardedTensor."""
     _refuse_mesh(root)
+    _refuse_summoned(root, "state_dict()")
     sharded, no_shard = _layout(root, prefix)
+    kept = _kept_shards(sharded)
     if no_shard:
         warnings.warn(NO_SHARD_WARNING, stacklevel=3)
     offload = bool(getattr(root._state_dict_config, "offload_to_cpu", False))
@@ -113,6 +141,8 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
                 open_units.append(unit)
             if k in flat_keys:
                 value = flat_value(flat_keys[k])
+            elif id(v) in kept:
+                value = kept[id(v)].detach().cpu() if offload else kept[id(v)].detach()
             elif id(v) in full_params:
                 value = v.detach().clone()
             else:
@@ -158,7 +188,11 @@ def _write_flat(h, local: torch.Tensor):
 
 def load(root, state_dict, strict: bool = True):
     _refuse_mesh(root)
+    _refuse_summoned(root, "load_state_dict()")
     sharded, no_shard = _layout(root, "")
+    for _, h in sharded:
+        if h.use_orig_params and h.unsharded:  # kept gathered since a forward: the load replaces it anyway
+            h.reshard(free=True)
     # Keys compared without FSDP's and activation checkpointing's wrapper names: a
     # checkpoint wrapper's own hooks drop its name from saved keys, and torch
     # reports none of them missing.

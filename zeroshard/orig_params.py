@@ -46,6 +46,13 @@ class OrigParams:
     _grads_at_backward: list | None = None
     _outside: dict
 
+    def shard_view(self, i: int) -> torch.Tensor:
+        """Original parameter i's elements in this rank's shard, as a 1-D view (empty if none)."""
+        sl = self.layout.shard_slices[i]
+        if sl is None:
+            return self.local_shard.new_empty(0)
+        return self.local_shard[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
+
     def use_sharded_views(self):
         """Re-register the original nn.Parameters as 1-D views of this rank's
         shard (full-shape views of the flat buffer under NO_SHARD)."""
@@ -55,10 +62,9 @@ class OrigParams:
                 info.module._parameters[info.name] = p
                 p.data = info.unflat(flat[info.offset : info.offset + info.numel])
         else:
-            empty = self.local_shard.new_empty(0)
-            for p, info, sl in zip(self.orig_params, self.layout.params, self.layout.shard_slices):
+            for i, (p, info) in enumerate(zip(self.orig_params, self.layout.params)):
                 info.module._parameters[info.name] = p
-                p.data = empty if sl is None else self.local_shard[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard]
+                p.data = self.shard_view(i)
         for info in self.layout.shared:
             info.module._parameters[info.name] = self.orig_params[info.prim_index]
         self.orig_exposed = True
