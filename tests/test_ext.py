@@ -714,3 +714,25 @@ def test_offsets_must_be_ints(backend):
     with pytest.raises(TypeError):
         ext.CopyPlan([torch.ones(2)], [True])
     assert not flat.any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_first_bad_member_is_named_whatever_its_fault(backend):
+    """The python path checked every member's dtype, device and storage before any
+    member's range, so an out-of-bounds member 0 before a freed member 1 gave member 1's
+    RuntimeError there and member 0's ValueError from the extension."""
+    def error(call):  # caught here: pytest's report of a failure would print the freed tensor, and crash
+        try:
+            call()
+        except (ValueError, RuntimeError) as e:
+            return type(e).__name__, str(e)
+        return None
+
+    freed = torch.randn(2)
+    freed.untyped_storage().resize_(0)
+    flat = torch.zeros(10)
+    got = error(lambda: run(backend, ext.flatten_into, [torch.randn(2), freed], [9, 2], flat))
+    assert got == ("ValueError", "zeroshard: tensors[0] range [9, 11) is out of bounds for flat of numel 10"), got
+    got = error(lambda: run(backend, ext.unflatten_into, flat, [9, 2], [torch.randn(2), freed]))
+    assert got == ("ValueError", "zeroshard: outs[0] range [9, 11) is out of bounds for flat of numel 10"), got
+    assert not flat.any()

@@ -271,7 +271,8 @@ def _check_flat(flat: Tensor) -> None:
 
 
 def _check_members(tensors: Sequence[Tensor], offsets: Sequence[int], flat: Tensor, what: str):
-    for i, t in enumerate(tensors):
+    """Each member in turn, in the extension's order (the first bad member's error, whatever its kind)."""
+    for i, (t, o) in enumerate(zip(tensors, offsets)):
         if t.layout != torch.strided:
             raise ValueError(f"zeroshard: {what}[{i}] must be a strided tensor, got {t.layout}")
         if t.dtype != flat.dtype:
@@ -280,8 +281,8 @@ def _check_members(tensors: Sequence[Tensor], offsets: Sequence[int], flat: Tens
             )
         if t.device != flat.device:
             raise ValueError(f"zeroshard: {what}[{i}] is on {t.device} but flat is on {flat.device}")
+        _check_range(i, o, t.numel(), flat.numel(), what)
         _check_storage(t, what, i)
-    _check_ranges([t.numel() for t in tensors], offsets, flat.numel(), what)
 
 
 def _check_storage(t: Tensor, what: str, i: int) -> None:
@@ -301,8 +302,9 @@ def _check_storage(t: Tensor, what: str, i: int) -> None:
 
 def _check_ranges(numels: Sequence[int], offsets: Sequence[int], flat_numel: int, what: str):
     for i, (o, n) in enumerate(zip(offsets, numels)):
-        if o < 0 or o + n > flat_numel:
-            raise ValueError(
-                f"zeroshard: {what}[{i}] range [{o}, {o + n}) is out of bounds for flat of "
-                f"numel {flat_numel}"
-            )
+        _check_range(i, o, n, flat_numel, what)
+
+
+def _check_range(i: int, o: int, n: int, flat_numel: int, what: str) -> None:
+    if o < 0 or o + n > flat_numel:
+        raise ValueError(f"zeroshard: {what}[{i}] range [{o}, {o + n}) is out of bounds for flat of numel {flat_numel}")
