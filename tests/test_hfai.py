@@ -158,3 +158,24 @@ def test_full_checkpoint_misuse_is_refused(ranks):
         assert "state_dict() inside summon_full_params(recurse=False)" in errors[0] and "Fix" in errors[0]
         assert "load_state_dict() inside summon_full_params(recurse=False)" in errors[1]
         assert "got a full checkpoint" in errors[2] and "inside `with model.summon_full_params()" in errors[2]
+
+
+def _nested_unit_in_summon(rank, world_size):
+    torch.manual_seed(0)
+    m = hfai.FullyShardedDataParallel(build("mlp"), auto_wrap_policy=_policy())
+    m(batch("mlp", rank, 0)).sum().backward()
+    inner = next(u for u in m.modules() if isinstance(u, zs.FullyShardedDataParallel) and u is not m)
+    with m.summon_full_params():
+        full = m.state_dict()
+        own = inner.state_dict()  # a block's own dict: its full parameters under its plain keys
+    for k, v in own.items():
+        assert any(torch.equal(v, w) for name, w in full.items() if name.endswith(k)), k
+    return sorted(own)
+
+
+def test_a_nested_unit_state_dict_inside_summon_is_the_plain_blocks(ranks):
+    """Inside hfai's summon_full_params state_dict() is the plain model's, for a nested
+    block too; the refusal of LOCAL dicts inside torch-style summon_full_params
+    (4b3afac) raised here."""
+    for keys in ranks.run(2, _nested_unit_in_summon):
+        assert keys and not any("flat_param" in k for k in keys), keys

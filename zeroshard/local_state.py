@@ -46,15 +46,25 @@ def _layout(root, prefix: str):
     return sharded, full
 
 
+def _in_hfai_summon(root) -> bool:
+    """Inside ``compat.hfai``'s summon block, where every unit's dict is the plain model's."""
+    runtime = getattr(root, "_runtime", None)
+    top = runtime._states[0]() if runtime is not None else None
+    return bool(getattr(top, "_in_summon", False))
+
+
 def _refuse_summoned(root, what: str):
     """Inside summon_full_params the units hold their full parameters under the plain names and
     no flat shard: a LOCAL dict taken there was neither LOCAL nor loadable (torch FSDP1 fails with
     a ShardedTensor offset error)."""
+    if _in_hfai_summon(root):
+        return
     busy = next((u for u in units_of(root) if u._summoning), None)
     if busy is not None:
-        raise RuntimeError(f"zeroshard: LOCAL_STATE_DICT {what} inside summon_full_params (of unit "
-                           f"{type(busy.module).__name__}), where the units hold full parameters, not their shards. "
-                           "Fix: call it outside the summon_full_params block.")
+        name = busy._handle.unit_name if busy._handle is not None else type(busy.module).__name__
+        raise RuntimeError(f"zeroshard: LOCAL_STATE_DICT {what} inside summon_full_params (of unit {name}), where "
+                           "the units hold full parameters, not their shards. Fix: call it outside the "
+                           "summon_full_params block.")
 
 
 def _kept_shards(sharded) -> dict:
@@ -105,6 +115,10 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     (``compat.hfai``: per-rank files for torch.save) gets each flat entry as the
     plain padded shard instead of a ShardedTensor."""
     _refuse_mesh(root)
+    if _in_hfai_summon(root):  # a nested unit's dict in hfai's summon block: copies (the block frees the originals)
+        with plain_module_behaviour():
+            raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
+        return {clean_key(k): v.detach().clone() for k, v in raw.items()}
     _refuse_summoned(root, "state_dict()")
     sharded, no_shard = _layout(root, prefix)
     kept = _kept_shards(sharded)
