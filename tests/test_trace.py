@@ -266,3 +266,5 @@ def test_two_models_with_the_same_unit_names_keep_their_own_spans(ranks):
             # student is "#2"; only the student has a backward.
             assert ("backward", name + " #2") in spans and ("backward", name) not in spans, sorted(spans)
         assert not any(spans.values()), spans  # every span ended where it should, none at the recording's end
+    # The PNG's bar labels drop the class but keep the number ("blocks.0" and "blocks.0" before).
+    assert trace._short("blocks.0 (Block) #2") == "blocks.0 #2" and trace._short("blocks.0 (Block)") == "blocks.0"

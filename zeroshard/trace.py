@@ -296,7 +296,10 @@ _COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "wait": "#C44E52", "all_
 
 
 def _short(unit: str) -> str:
-    return unit.split(" (")[0]
+    """A bar's label: the unit's path without its class, keeping a second model's " #2"."""
+    path, _, rest = unit.partition(" (")
+    number = rest.rpartition(") #")[2] if ") #" in rest else ""
+    return f"{path} #{number}" if number else path
 
 
 def _plot(events, path, title="zeroshard timeline") -> str:
