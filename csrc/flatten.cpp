@@ -351,9 +351,11 @@ std::optional<std::vector<at::Tensor>> unflatten(const at::Tensor& flat,
       overflow = overflow || __builtin_mul_overflow(n, d, &n);
     }
     const int64_t off = offsets[i];
-    ZS_CHECK_VALUE(!overflow && off >= 0 && off <= flat.numel() - n, "zeroshard: shapes[", i, "] range [", off,
-                   ", ", off, " + ", overflow ? std::string("more than int64 holds") : std::to_string(n),
-                   ") is out of bounds for flat of numel ", flat.numel());
+    int64_t end = 0;
+    const bool fits = !overflow && !__builtin_add_overflow(off, n, &end);
+    ZS_CHECK_VALUE(fits && off >= 0 && end <= flat.numel(), "zeroshard: shapes[", i, "] range [", off, ", ",
+                   fits ? std::to_string(end) : std::string("beyond int64"), ") is out of bounds for flat of numel ",
+                   flat.numel());
   }
   std::vector<at::Tensor> outs;
   outs.reserve(shapes.size());

@@ -736,3 +736,14 @@ def test_the_first_bad_member_is_named_whatever_its_fault(backend):
     got = error(lambda: run(backend, ext.unflatten_into, flat, [9, 2], [torch.randn(2), freed]))
     assert got == ("ValueError", "zeroshard: outs[0] range [9, 11) is out of bounds for flat of numel 10"), got
     assert not flat.any()
+    # A partial overlap with its own range of flat came from copy_, after every member's checks.
+    overlapping = torch.zeros(10)
+    for call in (lambda: run(backend, ext.flatten_into, [overlapping[1:4], torch.ones(2)], [0, 9], overlapping),
+                 lambda: run(backend, ext.unflatten_into, overlapping, [0, 9], [overlapping[1:4], torch.ones(2)])):
+        got = error(call)
+        assert got is not None and got[0] == "RuntimeError" and "[0]: unsupported operation" in got[1], got
+    # unflatten checked every shape's sign before any range, and the extension printed "[5, 5 + 8)".
+    got = error(lambda: run(backend, ext.unflatten, flat, [0, 0], [(20,), (-1,)]))
+    assert got == ("ValueError", "zeroshard: shapes[0] range [0, 20) is out of bounds for flat of numel 10"), got
+    got = error(lambda: run(backend, ext.unflatten, flat, [5], [(8,)]))
+    assert got == ("ValueError", "zeroshard: shapes[0] range [5, 13) is out of bounds for flat of numel 10"), got

@@ -153,11 +153,11 @@ def unflatten(flat: Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]
             return outs
     _check_flat(flat)
     shapes = [torch.Size(s) for s in shapes]
-    for i, s in enumerate(shapes):
+    for i, (s, o) in enumerate(zip(shapes, offsets)):  # each shape whole before the next, as the extension
         if any(d < 0 for d in s):
             raise ValueError(f"zeroshard: shapes[{i}] has a negative size: {tuple(s)}")
+        _check_range(i, o, math.prod(s), flat.numel(), "shapes")
     numels = [math.prod(s) for s in shapes]
-    _check_ranges(numels, offsets, flat.numel(), "shapes")
     start = _packed_start(offsets, numels)
     with torch.no_grad():
         if start is not None:
@@ -283,6 +283,7 @@ def _check_members(tensors: Sequence[Tensor], offsets: Sequence[int], flat: Tens
             raise ValueError(f"zeroshard: {what}[{i}] is on {t.device} but flat is on {flat.device}")
         _check_range(i, o, t.numel(), flat.numel(), what)
         _check_storage(t, what, i)
+        _check_overlap(t, o, flat, what, i)
 
 
 def _check_storage(t: Tensor, what: str, i: int) -> None:
@@ -300,9 +301,33 @@ def _check_storage(t: Tensor, what: str, i: int) -> None:
                            "(was its storage freed?)")
 
 
-def _check_ranges(numels: Sequence[int], offsets: Sequence[int], flat_numel: int, what: str):
-    for i, (o, n) in enumerate(zip(offsets, numels)):
-        _check_range(i, o, n, flat_numel, what)
+def _check_overlap(t: Tensor, o: int, flat: Tensor, what: str, i: int) -> None:
+    """A dense member in flat's storage is exactly its own range there (a parameter viewing the
+    FlatParameter) or apart from it; copy_ refuses a partial overlap only once the copies have
+    begun, so it is raised here, in member order, with the extension's words."""
+    if not t.numel() or t.device.type == "meta":
+        return
+    try:
+        same = t.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage of its own (functorch, subclasses)
+        return
+    if not same or not _dense(t):
+        return
+    at, lo, n = flat.storage_offset() + o, t.storage_offset(), t.numel()
+    if not (lo >= at + n or at >= lo + n or (lo == at and t.is_contiguous())):
+        raise RuntimeError(f"zeroshard: {what}[{i}]: unsupported operation: some elements of the input tensor and the "
+                           "written-to tensor refer to a single memory location (it overlaps its own range of flat). "
+                           "Fix: clone() it first.")
+
+
+def _dense(t: Tensor) -> bool:
+    """Non-overlapping and dense in some order of its dimensions (ATen's is_non_overlapping_and_dense)."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def _check_range(i: int, o: int, n: int, flat_numel: int, what: str) -> None:
