@@ -11,7 +11,9 @@ gradients with ``flatten`` and writes the gathered parameters back with a
 many-tensor copies fast (one parallel pass on CPU, one kernel launch on CUDA).
 
 All four functions are raw data movement: no autograd history is recorded, whatever
-``requires_grad`` says. Overlapping destination ranges give unspecified results; a
+``requires_grad`` says. Overlapping destination ranges give unspecified results, and so
+does a source that views another member's range of flat (the backends copy in different
+orders; ``torch.cat(out=flat)`` refuses such aliasing); a
 member that partly overlaps its own range of flat raises, as ``copy_`` does (exactly its
 own range, a parameter viewing the FlatParameter, is a no-op copy). What the raw copy
 cannot take (a conj/neg or zero-tensor flat, subclasses, functorch and functionalize
