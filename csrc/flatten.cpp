@@ -41,7 +41,6 @@ void copy_runs(const std::vector<Seg>& segs, const at::Tensor& flat, bool to_fla
 #endif
 }
 
-
 void check_flat(const at::Tensor& flat) {
   const bool strided = flat.layout() == at::kStrided;
   ZS_CHECK_VALUE(strided && flat.dim() == 1 && flat.is_contiguous(),
@@ -51,10 +50,6 @@ void check_flat(const at::Tensor& flat) {
 
 namespace {
 
-// One member's checks (see check_and_collect), appending its run or strided
-// entry to `out`. Everything read is inlined: at 1000 members an out-of-line
-// accessor per member (has_storage() behind storage(), the checks behind
-// const_data_ptr(), is_cow_data_ptr) costs more than the reads themselves.
 // flat's side of the checks, read once per call rather than per member.
 struct FlatSide {
   c10::ScalarType dtype;
@@ -67,6 +62,10 @@ struct FlatSide {
         storage(flat.unsafeGetTensorImpl()->unsafe_storage().unsafeGetStorageImpl()) {}
 };
 
+// One member's checks (see check_and_collect), appending its run or strided
+// entry to `out`. Everything read is inlined: at 1000 members an out-of-line
+// accessor per member (has_storage() behind storage(), the checks behind
+// const_data_ptr(), is_cow_data_ptr) costs more than the reads themselves.
 void check_one(const char* what, const at::Tensor& t, size_t i, int64_t off, const FlatSide& flat,
                bool writable, Checked& out) {
   const c10::ScalarType dtype = flat.dtype;
@@ -117,7 +116,7 @@ void check_one(const char* what, const at::Tensor& t, size_t i, int64_t off, con
              "]: unsupported operation: some elements of the input tensor and the written-to tensor "
              "refer to a single memory location (it overlaps its own range of flat). Fix: clone() it first.");
   }
-  if (contiguous && !t.is_conj() && !t.is_neg() && !t._is_zerotensor()) {  // is_memcpyable
+  if (is_memcpyable(t)) {
     // The storage's bytes as they are: not mutable_data_ptr, which would
     // materialize a lazy clone and is refused on inference tensors.
     char* bytes = const_cast<char*>(static_cast<const char*>(storage->data()));

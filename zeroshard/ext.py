@@ -155,11 +155,12 @@ def unflatten(flat: Tensor, offsets: Sequence[int], shapes: Sequence[torch.Size]
             return outs
     _check_flat(flat)
     shapes = [torch.Size(s) for s in shapes]
+    numels = []
     for i, (s, o) in enumerate(zip(shapes, offsets)):  # each shape whole before the next, as the extension
         if any(d < 0 for d in s):
             raise ValueError(f"zeroshard: shapes[{i}] has a negative size: {tuple(s)}")
-        _check_range(i, o, math.prod(s), flat.numel(), "shapes")
-    numels = [math.prod(s) for s in shapes]
+        numels.append(math.prod(s))
+        _check_range(i, o, numels[-1], flat.numel(), "shapes")
     start = _packed_start(offsets, numels)
     with torch.no_grad():
         if start is not None:

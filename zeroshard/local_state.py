@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from .state_dict import (CHECKPOINT_PREFIX, FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key,
-                         plain_module_behaviour, raise_if_any_rank_failed, shape_mismatch)
+                         plain_module_behaviour, raise_if_any_rank_failed, shape_mismatch, summoned_copy)
 from .mixed_precision import orig_buffer_dtypes
 from .summon import summon_full_params, units_of
 
@@ -115,10 +115,8 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     (``compat.hfai``: per-rank files for torch.save) gets each flat entry as the
     plain padded shard instead of a ShardedTensor."""
     _refuse_mesh(root)
-    if _in_hfai_summon(root):  # a nested unit's dict in hfai's summon block: copies (the block frees the originals)
-        with plain_module_behaviour():
-            raw = nn.Module.state_dict(root, prefix=prefix, keep_vars=True)
-        return {clean_key(k): v.detach().clone() for k, v in raw.items()}
+    if _in_hfai_summon(root):  # a nested unit's dict in hfai's summon block: as the hfai root's
+        return summoned_copy(root, prefix)
     _refuse_summoned(root, "state_dict()")
     sharded, no_shard = _layout(root, prefix)
     kept = _kept_shards(sharded)

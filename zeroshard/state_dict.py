@@ -68,6 +68,15 @@ def clean_key(key: str) -> str:
     return key.replace(WRAPPED_PREFIX, "")
 
 
+def summoned_copy(module: nn.Module, prefix: str = "") -> dict:
+    """The plain model's state dict of ``module`` while its units hold their full parameters
+    (inside summon_full_params): copies under the plain keys, with no collective (the block
+    frees the gathered originals on exit)."""
+    with plain_module_behaviour():
+        raw = nn.Module.state_dict(module, prefix=prefix, keep_vars=True)
+    return {clean_key(k): v.detach().clone() for k, v in raw.items()}
+
+
 def clean_fqn(key: str) -> str:
     """A parameter's name as torch FSDP1's optimizer state dicts give it (its
     ``clean_tensor_name``): without FSDP's nor activation checkpointing's wrapper prefixes."""

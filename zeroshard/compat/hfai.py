@@ -76,9 +76,7 @@ class FullyShardedDataParallel(_Engine):
             return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
         if self._in_summon:  # full parameters already here: no collective
             self._check_full("state_dict()")
-            with sd.plain_module_behaviour():
-                raw = nn.Module.state_dict(self, prefix=prefix, keep_vars=True)
-            return {sd.clean_key(k): v.detach().clone() for k, v in raw.items()}
+            return sd.summoned_copy(self, prefix)
         out = super().state_dict(prefix=prefix, keep_vars=keep_vars)
         out[LAYOUT_KEY] = self._layout()
         return out
