@@ -46,18 +46,11 @@ def _layout(root, prefix: str):
     return sharded, full
 
 
-def _in_hfai_summon(root) -> bool:
-    """Inside ``compat.hfai``'s summon block, where every unit's dict is the plain model's."""
-    runtime = getattr(root, "_runtime", None)
-    top = runtime._states[0]() if runtime is not None else None
-    return bool(getattr(top, "_in_summon", False))
-
-
 def _refuse_summoned(root, what: str):
     """Inside summon_full_params the units hold their full parameters under the plain names and
     no flat shard: a LOCAL dict taken there was neither LOCAL nor loadable (torch FSDP1 fails with
-    a ShardedTensor offset error)."""
-    if _in_hfai_summon(root):
+    a ShardedTensor offset error). A block entered with ``plain_dicts`` (``compat.hfai``) allows it."""
+    if getattr(root, "_plain_dicts", False):
         return
     busy = next((u for u in units_of(root) if u._summoning), None)
     if busy is not None:
@@ -115,7 +108,7 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     (``compat.hfai``: per-rank files for torch.save) gets each flat entry as the
     plain padded shard instead of a ShardedTensor."""
     _refuse_mesh(root)
-    if _in_hfai_summon(root):  # a nested unit's dict in hfai's summon block: as the hfai root's
+    if getattr(root, "_plain_dicts", False):  # in a compat block whose dicts are the plain model's (hfai)
         return summoned_copy(root, prefix)
     _refuse_summoned(root, "state_dict()")
     sharded, no_shard = _layout(root, prefix)

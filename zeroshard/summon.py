@@ -24,10 +24,12 @@ def units_of(module: nn.Module, recurse: bool = True):
 
 @contextlib.contextmanager
 def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, offload_to_cpu=False, with_grads=False,
-                       inside_summon=False):
+                       inside_summon=False, plain_dicts=False):
     """torch FSDP1's summon_full_params. ``inside_summon`` (state dicts): units
     already summoned by an enclosing block are used as they are, as torch's
-    state-dict hooks do, instead of refused."""
+    state-dict hooks do, instead of refused. ``plain_dicts`` (``compat.hfai``):
+    meanwhile a LOCAL ``state_dict()`` of any unit in the block is its plain
+    module's full dict (``unit._plain_dicts``) instead of refused."""
     if rank0_only and writeback:
         raise NotImplementedError("zeroshard: summon_full_params(rank0_only=True, writeback=True) is not supported (torch FSDP "
                                   "forbids it too): other ranks would write back parameters they never saw. Fix: pass writeback=False.")
@@ -54,6 +56,8 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
     undo = []
     for u in units:  # named_parameters() / named_buffers() drop the wrapper prefix meanwhile
         u._summoning += 1
+        if plain_dicts:
+            u._plain_dicts = True
     with torch.no_grad():
         try:
             for h in handles:
@@ -67,6 +71,8 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
         finally:
             for u in units:
                 u._summoning -= 1
+                if plain_dicts:
+                    u._plain_dicts = False
             while undo:
                 h, u = undo.pop()
                 h.exit_full_params(writeback, u)

@@ -53,7 +53,7 @@ class FullyShardedDataParallel(_Engine):
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):
         """All ranks enter; inside, parameters are full and state_dict() is the plain model's."""
-        with sd.summon_full_params(self, recurse=recurse, writeback=writeback):
+        with sd.summon_full_params(self, recurse=recurse, writeback=writeback, plain_dicts=True):
             self._in_summon, self._summon_recurse = True, recurse
             try:
                 yield
