@@ -444,13 +444,14 @@ def test_a_replaced_parameter_held_by_one_rank_is_refused_on_every_rank(ranks):
         assert msg and "'out.weight'" in msg and "must keep the shape" in msg, msg
 
 
-def _functional_call(rank, world_size, use_orig_params):
+def _functional_call(rank, world_size, use_orig_params, strategy="FULL_SHARD"):
     import zeroshard as zs
 
     torch.manual_seed(0)
-    model = zs.FSDP(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), use_orig_params=use_orig_params)
+    model = zs.FSDP(nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)), use_orig_params=use_orig_params,
+                    sharding_strategy=getattr(zs.ShardingStrategy, strategy))
     x = torch.randn(3, 4)
-    own = model(x).detach()
+    own = model(x).detach()  # under ZeRO-2 the unit stays gathered, its full views in the parameters' places
     zeros = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # this rank's shapes
     try:
         torch.func.functional_call(model, zeros, (x,))
@@ -459,13 +460,13 @@ def _functional_call(rank, world_size, use_orig_params):
     return None, None
 
 
-@pytest.mark.parametrize("use_orig_params", [True, False])
-def test_functional_call_with_other_tensors_is_refused(ranks, use_orig_params):
+@pytest.mark.parametrize("use_orig_params,strategy", [(True, "FULL_SHARD"), (False, "FULL_SHARD"), (True, "SHARD_GRAD_OP")])
+def test_functional_call_with_other_tensors_is_refused(ranks, use_orig_params, strategy):
     """torch.func.functional_call swaps plain tensors into the unit's parameters, but the
     unit computes with its own all-gathered ones: the given values were ignored silently
     (an output equal to the model's own weights'); torch FSDP1 ignores them with
-    use_orig_params=False too."""
-    for msg, unchanged in ranks.run(2, _functional_call, use_orig_params):
+    use_orig_params=False too. Also on a unit kept gathered since a forward (ZeRO-2)."""
+    for msg, unchanged in ranks.run(2, _functional_call, use_orig_params, strategy):
         assert msg and "functional_call" in msg and "would be ignored" in msg and "Fix: call functional_call on the unwrapped" in msg, msg
         assert unchanged
 
@@ -484,18 +485,78 @@ def _data_assigned_after_a_forward_without_backward(rank, world_size):
     model(x)  # grad mode, no backward (an EMA model evaluated without no_grad): the root stays gathered
     other(x).sum().backward()
     opt.step()  # any optimizer step in the process makes the kept root stale
+    return all(_data_plus_one_as_plain(model, plain, x, grad_forward=False))
+
+
+def _data_plus_one_as_plain(model, plain, x, grad_forward: bool):
+    """``p.data = p.data + 1`` over the wrapped model's parameters, in place on the plain model's:
+    (the next forward's output, the FULL state dict) equal to the plain model's?"""
+    import zeroshard as zs
+
     with torch.no_grad():
         for p in model.parameters():
             p.data = p.data + 1.0
         for p in plain.parameters():
             p.add_(1.0)
+    with torch.set_grad_enabled(grad_forward):
         out = model(x)
     with zs.FSDP.state_dict_type(model, zs.StateDictType.FULL_STATE_DICT):
         sd = model.state_dict()
-    return torch.equal(out, plain(x)) and all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
+    return torch.equal(out, plain(x)), all(torch.equal(sd[k], v) for k, v in plain.state_dict().items())
 
 
 def test_data_assigned_while_a_stale_unit_is_kept_reaches_the_shard(ranks):
     """Freeing the stale kept unit re-pointed the parameters at the shard before the
     writeback saw the new .data: the update was lost for good (torch FSDP1 loses it too)."""
     assert all(ranks.run(2, _data_assigned_after_a_forward_without_backward))
+
+
+def _data_assigned_on_a_kept_unit(rank, world_size, strategy, wrap):
+    import copy
+
+    import zeroshard as zs
+    from zeroshard.wrap import ModuleWrapPolicy
+
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    policy = ModuleWrapPolicy({nn.Linear}) if wrap else None
+    model = zs.FSDP(copy.deepcopy(plain), use_orig_params=True, auto_wrap_policy=policy,
+                    sharding_strategy=getattr(zs.ShardingStrategy, strategy))
+    x = torch.ones(2, 4)
+    model(x)  # grad mode, no backward: ZeRO-2 units and a FULL_SHARD root stay gathered
+    kept = [h.unsharded for h in model._runtime.handles]
+    return kept, *_data_plus_one_as_plain(model, plain, x, grad_forward=True)
+
+
+@pytest.mark.parametrize("strategy,wrap", [("SHARD_GRAD_OP", True), ("SHARD_GRAD_OP", False), ("FULL_SHARD", False)])
+def test_data_assigned_while_a_unit_is_kept_gathered_is_computed_with_and_saved(ranks, strategy, wrap):
+    """``p.data = ...`` over model.parameters() while units stay gathered after a forward (ZeRO-2
+    units, a FULL_SHARD root): the next forward computed with the old values and, under ZeRO-2,
+    the state dict lost the change. torch FSDP1 raises an AssertionError under ZeRO-2 and
+    loses the change on a FULL_SHARD root (output and state dict)."""
+    for kept, same_out, same_sd in ranks.run(2, _data_assigned_on_a_kept_unit, strategy, wrap):
+        assert any(kept), kept  # else this test shows nothing
+        assert same_out and same_sd
+
+
+def _data_assigned_between_forward_and_backward(rank, world_size):
+    import zeroshard as zs
+
+    torch.manual_seed(0)
+    model = zs.FSDP(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), use_orig_params=True,
+                    sharding_strategy=zs.ShardingStrategy.SHARD_GRAD_OP)
+    loss = model(torch.ones(2, 4)).sum()
+    with torch.no_grad():
+        model.module[0].weight.data = model.module[0].weight.data * 2
+    try:
+        loss.backward()
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+def test_data_assigned_between_forward_and_backward_of_a_kept_unit_is_refused(ranks):
+    """The backward would differentiate the values the forward used and the reshard after it
+    would drop the new ones, silently (torch FSDP1 raises an AssertionError)."""
+    for msg in ranks.run(2, _data_assigned_between_forward_and_backward):
+        assert msg and "'0.weight'" in msg and "between its forward and its backward" in msg and "Fix:" in msg, msg

@@ -343,6 +343,7 @@ class FlatParamHandle(OrigParams, FullParams):
         for info in self.layout.shared:
             _set_tensor(info.module, info.name, views[info.prim_index], self.use_orig_params)
         self.orig_exposed = False
+        self.full_views = views if self.use_orig_params else None
 
     def keep_secondary(self):
         """hpZ: before the forward's buffer is freed, keep this rank's piece of it."""

@@ -308,6 +308,7 @@ def pre_backward(state):
             _hook_post_backward(state, handle)
     if not handle.needs_pre_backward_unshard and handle.sharded and (handle.graph_kept or not handle.unsharded):
         handle.needs_pre_backward_unshard = True
+    handle.refuse_replaced_full_views()  # kept gathered since its forward: changed meanwhile?
     if handle.needs_pre_backward_unshard:
         _unshard_for_compute(state, handle)
     if trace._active:

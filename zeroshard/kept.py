@@ -117,31 +117,32 @@ def drop_stale_kept(rt):
     if not rt.forward_pending and not graph_kept:
         return
     rt.forward_pending = False
+    # Parameters replaced since (p.data = ...): on a kept unit's full views, into its buffer and
+    # shard; on the shard views a kept root shows, into the shard, which leaves its buffer stale.
+    into_shard = {h for h in rt.handles if h.unsharded and h.use_orig_params and h.writeback_orig_params()}
     if rt.no_sync_forward_steps == validation.optimizer_steps[0] and not graph_kept:
-        _edits_after_no_sync(rt)  # the flag may be set on this rank only: no collective
+        _edits_after_no_sync(rt, into_shard)  # the flag may be set on this rank only: no collective
         return
     groups = {}
     for h in rt.handles:
         if h.sharded:
             groups.setdefault(h.group, []).append(h)
     for group, hs in groups.items():
-        changed = torch.tensor([float(not h.unsharded or _stale(h)) for h in hs], device=hs[0].device)
+        changed = torch.tensor([float(not h.unsharded or h in into_shard or _stale(h)) for h in hs], device=hs[0].device)
         comm.all_reduce(changed, group, op=dist.ReduceOp.MAX, what="checking whether units kept from the last forward are stale")
         for h, c in zip(hs, changed.tolist()):
             if c and h.unsharded:
-                if h.use_orig_params and h.orig_exposed:  # p.data = ... since: into the shard before the
-                    h.writeback_orig_params()  # reshard re-points the parameters at it
                 h.reshard(free=True)
 
 
-def _edits_after_no_sync(rt) -> None:
+def _edits_after_no_sync(rt, into_shard) -> None:
     """A kept unit changed since a forward inside no_sync, without an optimizer step: edits of
     its exposed full views are written back to this rank's shard (computed with as they are);
     a shard changed otherwise (a manual update through the optimizer's parameters) cannot be
     re-gathered without the other ranks, which may not be checking (torch FSDP1 reuses the
     old values too): said, once."""
     for h in rt.handles:
-        if h.unsharded and _stale(h):  # (exposed views' edits are written back in there)
+        if h.unsharded and (h in into_shard or _stale(h)):  # (exposed views' edits are written back in there)
             warnings.warn(f"zeroshard: the parameters of unit '{h.unit_name}' changed in place, not by an optimizer "
                           "step, after a forward inside no_sync() that kept the unit gathered; its next forward "
                           "computes with the values gathered before (as torch FSDP1's). Fix: change parameters "

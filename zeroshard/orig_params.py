@@ -41,6 +41,9 @@ class OrigParams:
     # (between steps) until writeback has checked them: only then can the user
     # have replaced them, and one check per exposure is enough.
     orig_exposed: bool = False
+    # While the unit is gathered with use_orig_params, the plain views of the full buffer the
+    # module holds as its parameters (use_unsharded_views); None otherwise.
+    full_views: list | None = None
     # The gradient objects the original parameters held when the current backward started,
     # and those autograd gave them before their unit's post-backward (see detach_grad_views).
     _grads_at_backward: list | None = None
@@ -68,6 +71,7 @@ class OrigParams:
         for info in self.layout.shared:
             info.module._parameters[info.name] = self.orig_params[info.prim_index]
         self.orig_exposed = True
+        self.full_views = None
 
     def use_sharded_grad_views(self):
         g = self.flat_param.grad
@@ -240,9 +244,17 @@ class OrigParams:
           its values go into the flat gradient (created as zeros if needed);
         * ``p.grad`` set to None while the flat gradient exists: that slice is
           zeroed and ``p.grad`` stays None until the next backward.
+
+        Returns whether parameter values went into the shard alone: a unit
+        still gathered then holds stale full parameters (kept.drop_stale_kept).
         """
-        if not self.use_orig_params or not self.orig_exposed:
-            return
+        if not self.use_orig_params:
+            return False
+        if self.full_views is not None and self.unsharded:
+            self._take_replaced_full_views()
+        if not self.orig_exposed:
+            return False
+        wrote = False
         flat_grad = self.flat_param.grad
         had_grad = flat_grad is not None  # one created below for another parameter says nothing of a None .grad
         for i, info in enumerate(self.layout.params):
@@ -265,8 +277,10 @@ class OrigParams:
                 now._zeroshard_unit = self.unit_name
                 self.orig_params[i] = p = now
                 self._write_slice(p, self.local_shard, offset, numel, info, "parameter")
+                wrote = True
             elif not _same_storage(p, self.local_shard):
                 self._write_slice(p, self.local_shard, offset, numel, info, "parameter")
+                wrote = True
             if p.grad is None:
                 if had_grad:
                     flat_grad[offset : offset + numel].zero_()
@@ -285,6 +299,64 @@ class OrigParams:
                                    "supported (nor by torch FSDP1). Fix: update the shared parameter in place "
                                    "(p.data.copy_(...)), or untie them before wrapping.")
         self.orig_exposed = False
+        return wrote
+
+    def _replaced_full_views(self):
+        """(index, info, what the module holds now) of each parameter whose full view was replaced
+        since the unit was gathered: ``p.data = ...`` on the view, or a new Parameter in its slot."""
+        base, es = self._full.data_ptr(), self._full.element_size()
+        out = []
+        for i, (view, info) in enumerate(zip(self.full_views, self.layout.params)):
+            now = info.module._parameters.get(info.name)
+            if now is not None and (now is not view or (info.numel and now.data_ptr() != base + info.offset * es)):
+                out.append((i, info, now))
+        return out
+
+    def _take_replaced_full_views(self):
+        """A unit kept gathered after a forward (ZeRO-2, the root, a forward whose backward never
+        came) shows plain views of its full buffer as the module's parameters. One the user
+        replaced since (``p.data = ...`` over ``model.parameters()``, a new Parameter) goes into
+        the full buffer and this rank's part of the shard, so the next forward, state dict and
+        all-gather see it (torch FSDP1 raises an AssertionError under ZeRO-2, and a kept root
+        computes with the old values)."""
+        for i, info, now in self._replaced_full_views():
+            new_object = now is not self.full_views[i]
+            if new_object:
+                self._refuse_plain_tensor(info, now)  # a plain tensor in the slot: functional_call
+                if any(s.prim_index == i for s in self.layout.shared):
+                    raise RuntimeError(f"zeroshard: '{info.fqn}' in unit '{self.unit_name}' shares its parameter with "
+                                       "another name (tied weights) and was replaced; changing tied parameters is not "
+                                       "supported. Fix: update it in place (p.data.copy_(...)).")
+            if now.shape != info.shape:
+                raise RuntimeError(
+                    f"zeroshard: '{info.fqn}' in unit '{self.unit_name}' was replaced by a tensor of shape "
+                    f"{tuple(now.shape)} while the unit is gathered; it must keep the shape {tuple(info.shape)}. Fix: "
+                    "update it in place (p.data.copy_(...)) or inside summon_full_params().")
+            if new_object:
+                now._zeroshard_unit = self.unit_name
+                self.orig_params[i] = now
+            value = info.flat_of(now.detach())
+            with torch.no_grad():
+                self._full[info.offset : info.offset + info.numel].copy_(value)
+                if self.sharded:
+                    sl = self.layout.shard_slices[i]
+                    if sl is not None:
+                        self.local_shard.data[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard].copy_(
+                            value[sl.offset_in_param : sl.offset_in_param + sl.numel_in_shard])
+                elif not _same_storage(self._full, self.local_shard):
+                    self.local_shard.data[info.offset : info.offset + info.numel].copy_(value)
+
+    def refuse_replaced_full_views(self):
+        """Before a backward through a unit kept gathered since its forward: a parameter replaced
+        meanwhile is not what the forward computed with (torch FSDP1 raises too)."""
+        if self.full_views is None or not self.unsharded:
+            return
+        for _, info, _ in self._replaced_full_views():
+            raise RuntimeError(
+                f"zeroshard: '{info.fqn}' in unit '{self.unit_name}' was replaced (p.data = ..., or a new tensor) "
+                "between its forward and its backward, while the unit was kept gathered; the backward would "
+                "differentiate the values the forward used and drop the new ones (torch FSDP1 raises too). Fix: change "
+                "parameters after the backward, or before the forward.")
 
     def _refuse_plain_tensor(self, info, now):
         """A plain tensor in a parameter's place (``now``) comes from ``torch.func.functional_call`` /
