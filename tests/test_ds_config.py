@@ -479,3 +479,19 @@ def _accelerate_vs_hand(rank, world_size):
 
 def test_accelerate_kwargs_train_like_a_hand_written_wrap(ranks):
     assert all(ranks.run(2, _accelerate_vs_hand))
+
+
+def test_accelerate_yaml_no_read_as_false_and_the_legacy_fp16_key():
+    """YAML 1.1 reads an unquoted ``mixed_precision: no`` as False: it was refused with "'false' is not
+    valid ... use bf16, fp16 or no" (Accelerate's ClusterConfig maps False back to "no"). The legacy
+    top-level ``fp16: true`` (older accelerate configs) was ignored and the model trained in fp32;
+    Accelerate reads it as mixed_precision: fp16."""
+    fsdp = {"fsdp_sharding_strategy": "FULL_SHARD"}
+    as_parsed = {"distributed_type": "FSDP", "mixed_precision": False, "fsdp_config": fsdp}
+    assert "mixed_precision" not in from_accelerate_config(as_parsed)
+    assert "mixed_precision" not in from_accelerate_config({**fsdp, "mixed_precision": False})
+    legacy = from_accelerate_config({"distributed_type": "FSDP", "fp16": True, "fsdp_config": fsdp})
+    assert legacy["mixed_precision"].param_dtype == torch.float16
+    assert "mixed_precision" not in from_accelerate_config({"distributed_type": "FSDP", "fp16": False, "fsdp_config": fsdp})
+    explicit = from_accelerate_config({"distributed_type": "FSDP", "fp16": True, "mixed_precision": "bf16", "fsdp_config": fsdp})
+    assert explicit["mixed_precision"].param_dtype == torch.bfloat16

@@ -160,8 +160,11 @@ def from_accelerate_config(config=None, model: nn.Module | None = None) -> FSDPK
         if str(kind).upper() != "FSDP":
             raise _bad("distributed_type", kind, '"FSDP" (this config is for another backend)')
         fsdp = _prefixed(config.get("fsdp_config") or {})
-        if config.get("mixed_precision") is not None:
-            fsdp.setdefault("mixed_precision", config["mixed_precision"])
+        mp = config.get("mixed_precision")
+        if mp is None and "mixed_precision" not in config and config.get("fp16"):
+            mp = "fp16"  # the legacy top-level `fp16: true`, which Accelerate reads as mixed_precision: fp16
+        if mp is not None:
+            fsdp.setdefault("mixed_precision", mp)
     unknown = sorted(k for k in fsdp if k not in KNOWN)
     if unknown:
         warnings.warn(f"zeroshard accelerate config: unknown fsdp_config fields ignored: {', '.join(unknown)}.", stacklevel=2)
@@ -189,7 +192,8 @@ def from_accelerate_config(config=None, model: nn.Module | None = None) -> FSDPK
         kw["sync_module_states"] = True
     kw["cpu_offload"] = CPUOffload(offload_params=_bool("fsdp_offload_params", fsdp.get("fsdp_offload_params", False)))
     kw.state_dict_type = StateDictType[_choice("fsdp_state_dict_type", fsdp.get("fsdp_state_dict_type", "FULL_STATE_DICT"), STATE_DICT_TYPES)]
-    mp = str(fsdp.get("mixed_precision", "no")).strip().lower()
+    mp = fsdp.get("mixed_precision", "no")
+    mp = "no" if mp is False else str(mp).strip().lower()  # YAML reads an unquoted `no` as false (Accelerate maps it back)
     dtypes = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
     if mp not in dtypes:
         raise _bad("mixed_precision", mp, "bf16, fp16 or no")
