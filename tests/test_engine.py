@@ -597,6 +597,9 @@ def _surface(rank, world_size):
     engine, optimizer, loader, sched = initialize(model=model, optimizer=opt, training_data=data, config=cfg,
                                                   lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.5))
     assert optimizer is opt and len(opt.param_groups) == 2 and [g["weight_decay"] for g in opt.param_groups] == [0.1, 0.0]
+    # DeepSpeedEngine holds the model as `module`: scripts save engine.state_dict() and filter on "module." (were "wrapped.")
+    assert list(engine.state_dict()) == ["module." + k for k in model.state_dict()] and engine.module is model
+    assert [n for n, _ in engine.named_parameters()] == ["module." + n for n, _ in model.named_parameters()]
     assert isinstance(sched, torch.optim.lr_scheduler.StepLR) and sched.optimizer is opt
     assert engine.train_batch_size() == 16 and engine.train_micro_batch_size_per_gpu() == 4
     assert engine.local_rank == rank and engine.module is model and engine.scale is model.scale  # attribute pass-through
@@ -1103,3 +1106,48 @@ def test_two_engines_one_backward_through_both_is_not_refused(ranks, clear):
     """The review of the mixed-window check: D's output hook took G's engine.backward
     through D for a direct loss.backward(), and D's next step() raised."""
     assert all(ranks.run(2, _gan, clear))
+
+
+def _one_rank_finds_the_checkpoint(rank, world_size, ckpt_dir, stage):
+    engine, *_ = _engine(stage)
+    _train(engine, rank, 1, 0)
+    engine.save_checkpoint(os.path.join(ckpt_dir, "shared"))
+    own = os.path.join(ckpt_dir, "shared" if rank == 0 else "empty")  # rank 1's disk has no checkpoint
+    fresh, *_ = _engine(stage, seed=1)
+    try:
+        fresh.load_checkpoint(own)
+    except RuntimeError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_load_checkpoint_found_on_one_rank_only_raises_on_every_rank(ranks, tmp_path, stage):
+    """Rank 1 warned 'no latest file' and went on with its own weights while rank 0 loaded:
+    replicas differed for good at stage 0, and at stage 3 gloo aborted rank 0 (size mismatch)."""
+    for msg in ranks.run(2, _one_rank_finds_the_checkpoint, str(tmp_path), stage):
+        assert msg and "ranks found different checkpoints" in msg and "rank 1 found no 'latest' file" in msg \
+            and "Fix:" in msg, msg
+
+
+def _scaler_kind_changed(rank, world_size, ckpt_dir, saved, resumed):
+    fp16 = {"enabled": True, "loss_scale_window": 2}
+    engine, *_ = _engine(1, fp16={**fp16, "loss_scale": saved})
+    _train(engine, rank, 2, 0)
+    engine.save_checkpoint(ckpt_dir, tag="t")
+    fresh, *_ = _engine(1, seed=1, fp16={**fp16, "loss_scale": resumed})
+    configured = fresh.loss_scaler.state_dict()
+    with pytest.warns(UserWarning, match="fp16 loss scale, this engine's config asks for"):
+        fresh.load_checkpoint(ckpt_dir, tag="t")
+    weights_loaded = _equal_nested(ds_checkpoint.model_state_dict(fresh), ds_checkpoint.model_state_dict(engine))
+    return fresh.loss_scaler.state_dict() == configured, weights_loaded, fresh.global_steps == engine.global_steps
+
+
+@pytest.mark.parametrize("saved,resumed", [(128, 0), (0, 128), (128, 64)])
+def test_resume_with_another_kind_of_loss_scale_keeps_the_configured_one(ranks, tmp_path, saved, resumed):
+    """A static scale saved, a dynamic one configured: the load raised KeyError('cur_iter') after
+    the weights and optimizer state were loaded. A dynamic scale saved, a static one configured (a
+    run resumed after diverging): the static scaler got the saved dynamic scale, and could never
+    lower it. Now the configured scaler stays as configured, with a warning, and the rest loads."""
+    for kept, weights, steps in ranks.run(2, _scaler_kind_changed, str(tmp_path), saved, resumed):
+        assert kept and weights and steps

@@ -215,14 +215,25 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
     load_dir = os.fspath(load_dir)
     if tag is None:
         latest = os.path.join(load_dir, "latest")
-        if not os.path.isfile(latest):
-            warnings.warn(f"zeroshard load_checkpoint: no 'latest' file in {load_dir} and no tag given; nothing loaded.")
-            return None, None
-        with open(latest) as f:
-            tag = f.read().strip()
+        if os.path.isfile(latest):
+            with open(latest) as f:
+                tag = f.read().strip()
     folder = os.path.join(load_dir, str(tag))
     path = os.path.join(folder, MODEL_FILE)
-    if not os.path.isfile(path):
+    # Every rank must load the same checkpoint: one that finds none (node-local disks, a path
+    # wrong on one rank) would train on with other weights, or hang the others' collectives.
+    found = None if tag is None else (str(tag), os.path.isfile(path))
+    differs = comm.first_difference(found, what="load_checkpoint (comparing the checkpoint each rank found)")
+    if differs is not None:
+        def said(f):
+            return "found no 'latest' file" if f is None else f"resolved tag '{f[0]}' ({'found' if f[1] else 'no'} model file)"
+        raise RuntimeError(f"zeroshard load_checkpoint: ranks found different checkpoints in {load_dir}: rank 0 "
+                           f"{said(differs[1])}, rank {differs[0]} {said(differs[2])}. Fix: put the checkpoint (and its "
+                           "'latest' file) at the same path on every rank (shared storage), or pass the same tag.")
+    if tag is None:
+        warnings.warn(f"zeroshard load_checkpoint: no 'latest' file in {load_dir} and no tag given; nothing loaded.")
+        return None, None
+    if not found[1]:
         raise _no_model_file(load_dir, str(tag))
     ckpt = checkpoint.load(path, weights_only=False)
     legacy = OWN not in ckpt and "client_state" in ckpt and "zero_stage" in ckpt  # zeroshard before DeepSpeed's layout
@@ -238,6 +249,7 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
     if load_optimizer_states and not load_module_only and engine.optimizer is not None:
         osd = _read_optimizer(engine, ckpt, folder, by_deepspeed)
     # Checks first: nothing below may fail once the weights are loaded.
+    scaler = None if load_module_only else _scaler_state(engine, own.get("loss_scaler"), folder)
     if engine.zero1 is not None and osd is not None:
         engine.zero1.check_state_dict(osd)
     elif osd is not None:
@@ -256,11 +268,35 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
     if not load_module_only:
         if load_lr_scheduler_states and ckpt.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-        if own.get("loss_scaler") is not None and engine.loss_scaler is not None:
-            engine.loss_scaler.load_state_dict(own["loss_scaler"])
+        if scaler is not None:
+            engine.loss_scaler.load_state_dict(scaler)
         engine.global_steps, engine.skipped_steps = ckpt["global_steps"], ckpt["skipped_steps"]
         engine.global_samples = ckpt.get("global_samples", engine.global_steps * engine.train_batch_size())
     return path, client
+
+
+def _scaler_state(engine, saved: dict | None, folder: str) -> dict | None:
+    """The fp16 loss-scaler state to resume, decided before anything loads: a dynamic scaler
+    takes a dynamic one's (scale, window, hysteresis), as DeepSpeed's does; a static scale is
+    the config's. A scaler whose kind or static scale the config changed since the save (a
+    static scale chosen after a diverging run) starts as configured, with a warning; loading
+    the other kind's state crashed half-way or gave a static scaler the dynamic scale
+    (DeepSpeed takes the saved scaler whole)."""
+    mine = engine.loss_scaler
+    if saved is None or mine is None:
+        return None
+    was_dynamic = "cur_iter" in saved
+    if was_dynamic and mine.dynamic:
+        return saved
+    if was_dynamic or mine.dynamic or saved["cur_scale"] != mine.cur_scale:
+        def kind(dynamic, scale):
+            return "dynamic" if dynamic else f"static ({scale:g})"
+        warnings.warn(f"zeroshard load_checkpoint: the checkpoint in {folder} was saved with a "
+                      f"{kind(was_dynamic, saved['cur_scale'])} fp16 loss scale, this engine's config asks for a "
+                      f"{kind(mine.dynamic, mine.cur_scale)} one, which it keeps (the saved scaler state is not "
+                      "loaded). Fix: nothing if the change is meant; else set fp16.loss_scale as when saving.",
+                      stacklevel=4)
+    return None
 
 
 def _check_groups(optimizer, osd: dict, folder: str) -> None:
