@@ -152,7 +152,7 @@ class Engine(ConfigGetters, nn.Module):
             if dtype is not None:
                 model.to(dtype)
             wrapped = model
-        self.wrapped = wrapped
+        self.module = wrapped  # DeepSpeedEngine's name: engine.state_dict() keys read "module.<name>"
         self.optimizer = opt
         self._input_dtype = dtype if self.stage < 2 and (cfg.bf16 or cfg.fp16.auto_cast) else None
         f = cfg.fp16
@@ -176,9 +176,9 @@ class Engine(ConfigGetters, nn.Module):
 
     # -------------------------------------------------------------- the loop
     @property
-    def module(self) -> nn.Module:
-        """The model: the user's module at stages 0/1, the root FSDP unit at stages 2/3."""
-        return self.wrapped
+    def wrapped(self) -> nn.Module:
+        """``module``: the user's model at stages 0/1, the root FSDP unit at stages 2/3."""
+        return self._modules["module"]
 
     def forward(self, *inputs, **kwargs):
         if self._input_dtype is not None:
@@ -375,7 +375,7 @@ class Engine(ConfigGetters, nn.Module):
         try:
             return super().__getattr__(name)
         except AttributeError:
-            if "wrapped" not in self.__dict__.get("_modules", {}):
+            if "module" not in self.__dict__.get("_modules", {}):
                 raise
             return getattr(self.module, name)  # DeepSpeed passes unknown attributes to the model
 
