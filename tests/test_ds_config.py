@@ -185,7 +185,8 @@ def test_warmup_schedules_follow_deepspeeds_formulas():
     linear = _lrs(WarmupLR(opt(), warmup_max_lr=1.0, warmup_num_steps=4, warmup_type="linear"), 6)
     assert linear == pytest.approx([0.0, 0.0, 0.25, 0.5, 0.75, 1.0, 1.0])
     assert _lrs(WarmupLR(opt(), warmup_num_steps=2, warmup_type="linear"), 3)[-1] == 0.5  # max_lr: the optimizer's lr
-    # ... each param group's own lr (it was group 0's for all: a second group at 10x trained 10x too slowly)
+    # ... each param group's own lr (DeepSpeed's is group 0's for all, and so was this: a second group at
+    # 10x trained 10x too slowly; a documented difference)
     groups = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": lr} for lr in (1e-3, 1e-2)])
     two = WarmupLR(groups, warmup_num_steps=4, warmup_type="linear")
     for _ in range(5):

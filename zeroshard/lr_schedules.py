@@ -84,7 +84,9 @@ class WarmupLR(_Schedule):
     def __init__(self, optimizer, warmup_min_lr=0.0, warmup_max_lr=None, warmup_num_steps=1000, warmup_type="log",
                  last_batch_iteration=-1):
         super().__init__(optimizer, warmup_num_steps, warmup_type, last_batch_iteration)
-        if warmup_max_lr is None:  # each group warms up to its own lr, as in DeepSpeed
+        # Each group warms up to its own lr. DeepSpeed's WarmupLR takes group 0's lr for every
+        # group, so a second group at 10x would train at group 0's rate (a deliberate difference).
+        if warmup_max_lr is None:
             warmup_max_lr = [group["lr"] for group in optimizer.param_groups]
         self.min_lrs = _per_group(warmup_min_lr, optimizer, "warmup_min_lr")
         self.max_lrs = _per_group(warmup_max_lr, optimizer, "warmup_max_lr")
