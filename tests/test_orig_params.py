@@ -444,7 +444,7 @@ def test_a_replaced_parameter_held_by_one_rank_is_refused_on_every_rank(ranks):
         assert msg and "'out.weight'" in msg and "must keep the shape" in msg, msg
 
 
-def _functional_call(rank, world_size, use_orig_params, strategy="FULL_SHARD"):
+def _functional_call(rank, world_size, use_orig_params, strategy="FULL_SHARD", by_state_dict_names=False):
     import zeroshard as zs
 
     torch.manual_seed(0)
@@ -453,6 +453,9 @@ def _functional_call(rank, world_size, use_orig_params, strategy="FULL_SHARD"):
     x = torch.randn(3, 4)
     own = model(x).detach()  # under ZeRO-2 the unit stays gathered, its full views in the parameters' places
     zeros = {n: torch.zeros_like(p) for n, p in model.named_parameters()}  # this rank's shapes
+    if by_state_dict_names:  # the plain names (use_orig_params=False: attributes the unit sets, not parameters)
+        with zs.FSDP.state_dict_type(model, zs.StateDictType.FULL_STATE_DICT):
+            zeros = {k: torch.zeros_like(v) for k, v in model.state_dict().items()}
     try:
         torch.func.functional_call(model, zeros, (x,))
     except RuntimeError as e:
@@ -460,13 +463,17 @@ def _functional_call(rank, world_size, use_orig_params, strategy="FULL_SHARD"):
     return None, None
 
 
-@pytest.mark.parametrize("use_orig_params,strategy", [(True, "FULL_SHARD"), (False, "FULL_SHARD"), (True, "SHARD_GRAD_OP")])
-def test_functional_call_with_other_tensors_is_refused(ranks, use_orig_params, strategy):
+@pytest.mark.parametrize("use_orig_params,strategy,by_names", [(True, "FULL_SHARD", False), (False, "FULL_SHARD", False),
+                                                          (True, "SHARD_GRAD_OP", False), (False, "FULL_SHARD", True),
+                                                          (False, "NO_SHARD", True)])
+def test_functional_call_with_other_tensors_is_refused(ranks, use_orig_params, strategy, by_names):
     """torch.func.functional_call swaps plain tensors into the unit's parameters, but the
     unit computes with its own all-gathered ones: the given values were ignored silently
     (an output equal to the model's own weights'); torch FSDP1 ignores them with
-    use_orig_params=False too. Also on a unit kept gathered since a forward (ZeRO-2)."""
-    for msg, unchanged in ranks.run(2, _functional_call, use_orig_params, strategy):
+    use_orig_params=False too. Also on a unit kept gathered since a forward (ZeRO-2), and given
+    the state dict's names with use_orig_params=False (the attributes the unit sets: they were
+    ignored silently, as in torch)."""
+    for msg, unchanged in ranks.run(2, _functional_call, use_orig_params, strategy, by_names):
         assert msg and "functional_call" in msg and "would be ignored" in msg and "Fix: call functional_call on the unwrapped" in msg, msg
         assert unchanged
 

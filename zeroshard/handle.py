@@ -166,6 +166,7 @@ class FlatParamHandle(OrigParams, FullParams):
         # summon_full_params under mixed precision), created with no storage.
         self._full_buffers: dict[torch.dtype, torch.Tensor] = {}
         self._freed_views: list[FreedView] | None = None  # see _placeholder_views
+        self.installed_views: list | None = None  # what the module attributes were last set to
         self.padded = self._full_buffer(self.compute_dtype) if self.sharded else None
         self.padded_bytes = self.layout.padded_numel * self.compute_dtype.itemsize
         # NO_SHARD in the shard's dtype computes on the shard itself: nothing to gather.
@@ -242,6 +243,7 @@ class FlatParamHandle(OrigParams, FullParams):
                 self._freed_views = [FreedView(p.shape, p.stride, self.compute_dtype, self.device, p.fqn, self)
                                      for p in self.layout.params]
             views = self._freed_views
+        self.installed_views = views  # (validation.refuse_replaced_flat_param)
         for view, info in zip(views, self.layout.params):
             info.module.__dict__[info.name] = view
         for info in self.layout.shared:
@@ -344,6 +346,7 @@ class FlatParamHandle(OrigParams, FullParams):
             _set_tensor(info.module, info.name, views[info.prim_index], self.use_orig_params)
         self.orig_exposed = False
         self.full_views = views if self.use_orig_params else None
+        self.installed_views = views
 
     def keep_secondary(self):
         """hpZ: before the forward's buffer is freed, keep this rank's piece of it."""

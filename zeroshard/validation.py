@@ -314,16 +314,25 @@ def warn_if_nothing_quantized(states) -> None:
 
 
 def refuse_replaced_flat_param(handle) -> None:
-    """``torch.func.functional_call`` / ``nn.utils.stateless`` given ``..._flat_param``
-    (``use_orig_params=False``) swaps it on the module, but the unit all-gathers its own
-    shard: the given values would be ignored silently (torch FSDP1 ignores them)."""
+    """``torch.func.functional_call`` / ``nn.utils.stateless`` (``use_orig_params=False``)
+    given ``..._flat_param`` swaps it on the module, and given the state dict's names
+    (``0.weight``) swaps the plain attributes the unit sets; but the unit all-gathers its own
+    shard and sets its own views: the given values would be ignored silently (torch FSDP1
+    ignores them)."""
+    if handle.use_orig_params:
+        return
+    fix = ("the unit all-gathers its own shard, so those values would be ignored. Fix: call functional_call on the "
+           "unwrapped module, or copy the values in (flat_param.data.copy_(...) or inside summon_full_params()).")
     host = handle.flat_param_host
-    now = host._parameters.get("_flat_param") if host is not None and not handle.use_orig_params else None
+    now = host._parameters.get("_flat_param") if host is not None else None
     if now is not None and now is not handle.flat_param:
         raise RuntimeError(f"zeroshard: the _flat_param of unit '{handle.unit_name}' was replaced by another tensor "
-                           "(torch.func.functional_call or nn.utils.stateless do this); the unit all-gathers its own "
-                           "shard, so those values would be ignored. Fix: call functional_call on the unwrapped module, "
-                           "or copy the values in (flat_param.data.copy_(...)).")
+                           f"(torch.func.functional_call or nn.utils.stateless do this); {fix}")
+    for view, info in zip(handle.installed_views or (), handle.layout.params):
+        now = info.module.__dict__.get(info.name)
+        if now is not None and now is not view:  # (None: registered as a Parameter inside summon_full_params)
+            raise RuntimeError(f"zeroshard: '{info.fqn}' in unit '{handle.unit_name}' was replaced by a tensor of shape "
+                               f"{tuple(now.shape)} (torch.func.functional_call or nn.utils.stateless do this); {fix}")
 
 
 def refuse_outputs_on_the_freed_buffer(handle, outputs) -> None:
