@@ -812,3 +812,50 @@ def test_local_state_dict_with_kept_units_and_inside_summon(ranks, strategy):
     refused a good dict. Inside summon_full_params a LOCAL dict was neither LOCAL nor
     loadable (torch raises a ShardedTensor offset error); both calls are refused there."""
     assert all(ranks.run(2, _local_kept_and_summoned, strategy))
+
+
+def _type_set_on_an_inner_unit(rank, world_size):
+    import zeroshard as zs
+
+    model = zs.FSDP(build("mlp"), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    inner = next(u for u in zs.FSDP.fsdp_modules(model) if u is not model)
+    model(batch("mlp", rank, 0)).sum().backward()
+    errors = []
+    for kind in (zs.StateDictType.SHARDED_STATE_DICT, zs.StateDictType.LOCAL_STATE_DICT):
+        with zs.FSDP.state_dict_type(inner, kind):
+            for call in (model.state_dict, lambda: model.load_state_dict(_full(model))):
+                try:
+                    call()
+                    errors.append(None)
+                except RuntimeError as e:
+                    errors.append(str(e))
+    return errors
+
+
+def test_a_state_dict_type_set_on_an_inner_unit_is_refused(ranks):
+    """FSDP.state_dict_type(inner_unit, SHARDED/LOCAL) then model.state_dict(): the root's type
+    was used for every unit, silently (a FULL dict where the user asked for shards of that unit;
+    torch FSDP1 mixes the forms)."""
+    for errors in ranks.run(2, _type_set_on_an_inner_unit):
+        assert len(errors) == 4
+        for msg in errors:
+            assert msg and "have different state dict settings" in msg and "on the root" in msg, msg
+
+
+def _sharded_dict_under_full(rank, world_size):
+    import zeroshard as zs
+
+    model = zs.FSDP(build("mlp"), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+    try:
+        model.load_state_dict(sharded)  # under the default FULL_STATE_DICT
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_a_sharded_dict_loaded_under_full_names_the_state_dict_type(ranks):
+    """It failed key by key with aten.copy_'s 'got mixed torch.Tensor and DTensor' (torch too)."""
+    for msg in ranks.run(2, _sharded_dict_under_full):
+        assert msg and "under FULL_STATE_DICT got a sharded entry" in msg and "SHARDED_STATE_DICT)" in msg, msg

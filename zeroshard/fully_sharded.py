@@ -305,6 +305,7 @@ class FullyShardedDataParallel(nn.Module):
             return sd.walk_unit(self, destination, lambda d: nn.Module.state_dict(
                 self, *args, destination=d, prefix=prefix, keep_vars=keep_vars))
         self._lazy_init()
+        sd_settings.state_dict_settings(self, strict=False)  # raises where units disagree (a type set on one unit)
         local = self._state_dict_type == StateDictType.LOCAL_STATE_DICT
         out = (local_state if local else sd).save(self, prefix=prefix, keep_vars=keep_vars)
         if destination is not None:
@@ -316,6 +317,7 @@ class FullyShardedDataParallel(nn.Module):
         if assign:
             raise ValueError("zeroshard: load_state_dict(assign=True) would replace the sharded parameters. Fix: use assign=False.")
         self._lazy_init()
+        sd_settings.state_dict_settings(self, strict=False)
         with parent_load.own_load():
             return (local_state if self._state_dict_type == StateDictType.LOCAL_STATE_DICT else sd).load(self, state_dict, strict)
 

@@ -362,6 +362,11 @@ def load(root, state_dict, strict: bool = True):
             state_dict, problem = _normalize_full(state_dict, {clean_key(k): v for k, v in current.items()}), None
             for v in state_dict.values() if rows else ():
                 check_row_shard(v)
+            sharded = next((k for k, v in state_dict.items() if is_sharded(v)), None) if not rows else None
+            if sharded is not None:  # copy_ would fail key by key with "got mixed torch.Tensor and DTensor"
+                raise ValueError(f"zeroshard: load_state_dict under FULL_STATE_DICT got a sharded entry '{sharded}' "
+                                 f"({type(state_dict[sharded]).__name__}), as SHARDED_STATE_DICT saves. Fix: load it inside "
+                                 "FSDP.state_dict_type(model, StateDictType.SHARDED_STATE_DICT).")
         except (RuntimeError, ValueError) as e:
             problem = e
         if rows:  # rows are all-gathered key by key: every rank must hold the same sharded keys (collective: always)
