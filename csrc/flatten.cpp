@@ -78,7 +78,7 @@ void check_one(const char* what, const at::Tensor& t, size_t i, int64_t off, con
                  " but flat is on ", flat.device);
   const int64_t n = t.numel();
   ZS_CHECK_VALUE(off >= 0 && off <= flat.numel - n, "zeroshard: ", what, "[", i, "] range [", off,
-                 ", ", off + n, ") is out of bounds for flat of numel ", flat.numel);
+                 ", ", range_end(off, n), ") is out of bounds for flat of numel ", flat.numel);
   if (n == 0) return;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   out.reach = std::max(out.reach, off + n);
@@ -353,7 +353,7 @@ std::optional<std::vector<at::Tensor>> unflatten(const at::Tensor& flat,
     int64_t end = 0;
     const bool fits = !overflow && !__builtin_add_overflow(off, n, &end);
     ZS_CHECK_VALUE(fits && off >= 0 && end <= flat.numel(), "zeroshard: shapes[", i, "] range [", off, ", ",
-                   fits ? std::to_string(end) : std::string("beyond int64"), ") is out of bounds for flat of numel ",
+                   overflow ? std::string("beyond int64") : range_end(off, n), ") is out of bounds for flat of numel ",
                    flat.numel());
   }
   std::vector<at::Tensor> outs;

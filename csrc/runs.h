@@ -63,6 +63,11 @@ inline std::string piece(at::IntArrayRef a) {
   for (size_t i = 0; i < a.size(); ++i) s += (i ? ", " : "") + std::to_string(a[i]);
   return s + "]";
 }
+// The end of an element range [off, off + n) as messages print it; the python path says the same.
+inline std::string range_end(int64_t off, int64_t n) {
+  int64_t end = 0;
+  return __builtin_add_overflow(off, n, &end) ? std::string("beyond int64") : std::to_string(end);
+}
 template <typename... A>
 std::string cat(const A&... parts) {
   std::string s;

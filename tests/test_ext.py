@@ -747,3 +747,18 @@ def test_the_first_bad_member_is_named_whatever_its_fault(backend):
     assert got == ("ValueError", "zeroshard: shapes[0] range [0, 20) is out of bounds for flat of numel 10"), got
     got = error(lambda: run(backend, ext.unflatten, flat, [5], [(8,)]))
     assert got == ("ValueError", "zeroshard: shapes[0] range [5, 13) is out of bounds for flat of numel 10"), got
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_range_past_int64_reads_the_same_in_both_backends(backend):
+    """flatten_into/unflatten_into's extension printed off + n wrapped around (a negative end),
+    the python path the true integer; unflatten's extension said "beyond int64"."""
+    flat, big = torch.zeros(4), 2**63 - 2
+    calls = [(lambda: run(backend, ext.flatten_into, [torch.ones(3)], [big], flat), f"tensors[0] range [{big}"),
+             (lambda: run(backend, ext.unflatten_into, flat, [big], [torch.ones(3)]), f"outs[0] range [{big}"),
+             (lambda: run(backend, ext.unflatten, flat, [big], [(3,)]), f"shapes[0] range [{big}"),
+             (lambda: run(backend, ext.unflatten, flat, [1], [(2**62, 4)]), "shapes[0] range [1")]
+    for call, start in calls:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == f"zeroshard: {start}, beyond int64) is out of bounds for flat of numel 4", str(e.value)

@@ -335,4 +335,5 @@ def _dense(t: Tensor) -> bool:
 
 def _check_range(i: int, o: int, n: int, flat_numel: int, what: str) -> None:
     if o < 0 or o + n > flat_numel:
-        raise ValueError(f"zeroshard: {what}[{i}] range [{o}, {o + n}) is out of bounds for flat of numel {flat_numel}")
+        end = o + n if n < 2**63 and o + n < 2**63 else "beyond int64"  # as the extension says it
+        raise ValueError(f"zeroshard: {what}[{i}] range [{o}, {end}) is out of bounds for flat of numel {flat_numel}")
