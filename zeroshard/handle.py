@@ -135,7 +135,7 @@ class FlatParamHandle(OrigParams, FullParams):
         self.hpz = None  # SecondaryShards: gather for backward within a group (see hpz)
         self.comm_hook = None  # (hook, state): replaces the gradient's collective (see comm_hooks)
         self.secondary: torch.Tensor | None = None
-        self.secondary_steps = 0  # optimizer steps (validation.optimizer_steps) when it was kept
+        self.secondary_version = None  # shard_version() when it was kept
         for info in (*self.layout.params, *self.layout.shared):
             del info.module._parameters[info.name]
         if use_orig_params:
@@ -301,8 +301,8 @@ class FlatParamHandle(OrigParams, FullParams):
             self._full = self._full_buffer(dtype)
             self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
             what = f"unshard ({step}) of unit '{self.unit_name}'"
-            if self.secondary is not None and self.secondary_steps != validation.optimizer_steps[0]:
-                self.secondary = None  # a fused step since forward (no version bump): gather the new shard, as ZeRO-3
+            if self.secondary is not None and self.secondary_version != self.shard_version():
+                self.secondary = None  # a step or an in-place edit since forward: gather the new shard, as ZeRO-3
             if self.secondary is not None and not full_precision:  # ZeRO++ hpZ: backward gather inside the group
                 self._gather_work, self.secondary = self.hpz.gather(self._full, self.secondary, what), None
             elif self.quant is not None and not full_precision:  # ZeRO++ qwZ: int8 blocks on the wire
@@ -352,7 +352,7 @@ class FlatParamHandle(OrigParams, FullParams):
         """hpZ: before the forward's buffer is freed, keep this rank's piece of it."""
         if self.hpz is not None and self.unsharded and self._full.dtype == self.compute_dtype:
             self.secondary = self.hpz.save(self._full)
-            self.secondary_steps = validation.optimizer_steps[0]
+            self.secondary_version = self.shard_version()
 
     # ------------------------------------------------------------------ reshard
     def reshard(self, free: bool, sharded_views: bool = True):
