@@ -130,3 +130,38 @@ def test_keep_low_precision_grads(ranks, strategy, use_orig_params):
     (grads' dtype and values, clip norm, parameters after SGD steps)."""
     ranks.run(2, run_case, dict(strategy=strategy, use_orig_params=use_orig_params, optim="sgd", clip=0.05,
                                 mp=dict(param_dtype="bfloat16", reduce_dtype="float32", keep_low_precision_grads=True)))
+
+
+def _clip_with_a_world_unit_under_a_hybrid_root(rank, world_size):
+    import torch
+    import torch.distributed as dist
+
+    import zeroshard as zs
+    from models import Block, batch, build
+    from parity import _hybrid_groups
+
+    def policy(m):  # the first block over the whole world, as the error for FULL_SHARD under a hybrid root suggests
+        if isinstance(m, Block):
+            return {"sharding_strategy": zs.ShardingStrategy.FULL_SHARD, "process_group": dist.group.WORLD} \
+                if m is model_in.blocks[0] else True
+        return False
+
+    model_in = build("mlp")
+    model = zs.FSDP(model_in, sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD, auto_wrap_policy=zs.wrap.CustomPolicy(policy),
+                    **_hybrid_groups("zeroshard", "tuple"))
+    plain = build("mlp")
+    for r in range(world_size):
+        (plain(batch("mlp", r, 0)).pow(2).mean() / world_size).backward()
+    expected = torch.nn.utils.get_total_norm([p.grad for p in plain.parameters()])
+    model(batch("mlp", rank, 0)).pow(2).mean().backward()
+    return model.clip_grad_norm_(1e9).item(), expected.item()
+
+
+def test_clip_grad_norm_sums_each_unit_over_its_own_group(ranks):
+    """A unit sharded over the world under a hybrid root (shard {0,1}/{2,3}): its squares were
+    summed over the root's shard group only, so ranks {0,1} and {2,3} clipped with different,
+    wrong norms and the replicas drifted apart (torch FSDP1 sums over the root's group too)."""
+    got = ranks.run(4, _clip_with_a_world_unit_under_a_hybrid_root)
+    norms = [n for n, _ in got]
+    assert len(set(norms)) == 1, norms
+    assert abs(norms[0] - got[0][1]) <= 1e-6 * got[0][1], got  # fp32 sums in another order than the plain model's

@@ -5,7 +5,9 @@ Computed as torch FSDP1 does, step for step, so the returned norm and the
 clipped gradients are bit-identical to it: per-tensor fp32 norms, the norm of
 their stack, raised to ``norm_type``, summed over ranks with one all-reduce,
 then the ``1/norm_type`` root; parameters not sharded (NO_SHARD units, ignored
-modules) are identical on all ranks and are added after the all-reduce.
+modules) are identical on all ranks and are added after the all-reduce. Units
+a policy shards over groups of their own are summed over their own group
+(torch sums them over the root's, which gives each replica another norm).
 """
 from __future__ import annotations
 
@@ -63,7 +65,11 @@ def local_total_norm(params, norm_type: float = 2.0) -> torch.Tensor:
 
 def _total_norm(root, norm_type: float):
     handles = root._runtime.handles
-    sharded, nonsharded, seen, grads = [], [], set(), []
+    # Sharded parameters by the members of their unit's shard group: one group, the root's, unless
+    # a policy gave units groups of their own (a unit over the world under a hybrid root), whose
+    # partial sums then each need their own all-reduce (torch FSDP1 sums all over the root's).
+    sharded: dict[tuple, tuple] = {}
+    nonsharded, seen, grads = [], set(), []
 
     def take(p, target):
         if p not in seen:
@@ -73,21 +79,28 @@ def _total_norm(root, norm_type: float):
                 grads.append(p.grad)
 
     for h in handles:
-        target = sharded if h.sharded else nonsharded
+        if h.sharded:
+            target = sharded.setdefault(tuple(dist.get_process_group_ranks(h.group)), (h.group, []))[1]
+        else:
+            target = nonsharded
         for p in h.orig_params if h.use_orig_params else [h.flat_param]:
             take(p, target)
     for p in root.parameters():  # parameters outside any unit (ignored modules)
         take(p, nonsharded)
     device = root.compute_device
-    local = _local_norm(sharded, norm_type, device)
     extra = _local_norm(nonsharded, norm_type, device) if nonsharded else None
-    group = root.process_group
-    if norm_type == math.inf:
-        total = torch.maximum(local, extra) if extra is not None else local
-        comm.all_reduce(total, group, op=dist.ReduceOp.MAX, what="clip_grad_norm_ (max norm)")
-    else:
-        total = local**norm_type
-        comm.all_reduce(total, group, what="clip_grad_norm_ (sum of squares)")
+    total = None
+    for group, params in sharded.values():
+        local = _local_norm(params, norm_type, device)
+        if norm_type == math.inf:
+            local = torch.maximum(local, extra) if extra is not None else local
+            comm.all_reduce(local, group, op=dist.ReduceOp.MAX, what="clip_grad_norm_ (max norm)")
+            total = local if total is None else torch.maximum(total, local)
+        else:
+            local = local**norm_type
+            comm.all_reduce(local, group, what="clip_grad_norm_ (sum of squares)")
+            total = local if total is None else total + local
+    if norm_type != math.inf:
         if extra is not None:
             total += extra**norm_type
         total = total ** (1.0 / norm_type)
