@@ -51,14 +51,17 @@ def _train_vs_torch(rank, world_size, model, kw, use_orig_params, mp, no_sync=Fa
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         base = build(model)
-        t_mp = tfsdp.MixedPrecision(param_dtype=mp, reduce_dtype=mp) if mp else None
-        z_mp = zs.MixedPrecision(param_dtype=mp, reduce_dtype=mp) if mp else None
+        mp_kw = mp if isinstance(mp, dict) else dict(param_dtype=mp, reduce_dtype=mp)
+        t_mp = tfsdp.MixedPrecision(**mp_kw) if mp else None
+        z_mp = zs.MixedPrecision(**mp_kw) if mp else None
         ref = tfsdp.FullyShardedDataParallel(copy.deepcopy(base), auto_wrap_policy=_policy(tfsdp.wrap),
                                              device_id=torch.device("cpu"), use_orig_params=use_orig_params,
                                              mixed_precision=t_mp)
         ours = zs.FSDP(copy.deepcopy(base), auto_wrap_policy=_policy(zs.wrap), use_orig_params=use_orig_params,
                        mixed_precision=z_mp, **kw)
-    opt_ref, opt_ours = (torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours))
+    low_grads = isinstance(mp, dict) and mp.get("keep_low_precision_grads")  # bf16 grads: AdamW's lerp_ refuses them
+    opt_ref, opt_ours = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) if low_grads
+                         else torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (ref, ours))
     calls = []
     for step in range(steps):
         with zs.comm_stats() as stats:
@@ -83,7 +86,7 @@ def _train_vs_torch(rank, world_size, model, kw, use_orig_params, mp, no_sync=Fa
         opt_ref.zero_grad()
         opt_ours.zero_grad()
         for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
-            assert torch.equal(a, _as_ref(a, b)), f"step {step}: parameter {n} differs after AdamW"
+            assert torch.equal(a, _as_ref(a, b)), f"step {step}: parameter {n} differs after the step"
     persistent = [h.unit_name for h in ours._runtime.handles if not h.sharded]
     return calls, persistent
 
@@ -97,6 +100,10 @@ def _train_vs_torch(rank, world_size, model, kw, use_orig_params, mp, no_sync=Fa
     ("mlp", dict(bucket_cap_mb=25, param_persistence_threshold=100), False, None, True),
     ("gpt", dict(bucket_cap_mb=0.06), True, None, False),  # 60 KiB: two blocks' gradients (~29 KB each) per bucket
     ("gpt", dict(bucket_cap_mb=25, param_persistence_threshold=2000), False, torch.bfloat16, False),
+    # the persistent root handed the optimizer fp32 gradients (NO_SHARD's rule) where torch's
+    # FULL_SHARD casts them to bf16 after accumulating in fp32
+    ("mlp", dict(param_persistence_threshold=100), False,
+     dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=True), True),
 ])
 def test_bit_identical_to_torch_on_two_ranks(ranks, model, kw, use_orig_params, mp, no_sync):
     results = ranks.run(2, _train_vs_torch, model, kw, use_orig_params, mp, no_sync)
@@ -109,7 +116,9 @@ def test_bit_identical_to_torch_on_two_ranks(ranks, model, kw, use_orig_params, 
         assert persistent == []
     units = 4
     per_micro = [c.get("reduce_scatter", 0) / reductions for c in calls]
-    if kw["bucket_cap_mb"] == 25:  # every sharded unit in one bucket
+    if "bucket_cap_mb" not in kw:  # a reduce-scatter per sharded unit
+        assert per_micro == [units - 1] * len(calls), calls
+    elif kw["bucket_cap_mb"] == 25:  # every sharded unit in one bucket
         assert per_micro == [1] * len(calls), calls
     else:
         assert all(1 < n < units for n in per_micro), calls

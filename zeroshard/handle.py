@@ -402,7 +402,9 @@ class FlatParamHandle(OrigParams, FullParams):
         if self.use_orig_params:  # in full precision, before the cast below, as torch adds them
             self.absorb_outside_grads()
         low = self.keep_low_precision_grads and not self.forced_full_precision
-        if moved and low and self.flat_param.grad.dtype != self.compute_dtype:
+        # A persistent unit (NO_SHARD inside a sharded model) casts as the sharded units do (torch's
+        # FULL_SHARD: accumulated in the reduce dtype, handed over in the parameter dtype).
+        if (moved or self.persistent) and low and self.flat_param.grad.dtype != self.compute_dtype:
             self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
         if self.use_orig_params:
             self.use_grad_views()
