@@ -163,8 +163,9 @@ def _flat_local(h, value, key: str) -> torch.Tensor:
     """This rank's elements of a saved flat entry, checked against its shard (raises ValueError)."""
     n = h.local_shard.numel()
     start, valid = h.layout.shard_start, h.layout.shard_end - h.layout.shard_start
-    hint = (f"(saved at another world size or from another model? this run has world size {h.world_size}). Fix: load "
-            "LOCAL state dicts at the world size they were saved with, or save a FULL_STATE_DICT to change world size.")
+    hint = (f"(saved at another world size, or from a model wrapped otherwise? this run has world size {h.world_size}). "
+            "Fix: load LOCAL state dicts at the world size and wrapping (policy, param_persistence_threshold) they were "
+            "saved with, or save a FULL_STATE_DICT to change them.")
     if type(value).__name__ == "ShardedTensor":
         size, shards = tuple(value.metadata().size), value.local_shards()
         offset = shards[0].metadata.shard_offsets[0] if shards else start
@@ -232,7 +233,9 @@ def load(root, state_dict, strict: bool = True):
                                    "none of it. Fix: load it under the state_dict_type it was saved with.")
             if strict and (missing or unexpected):
                 raise RuntimeError(f"zeroshard: LOCAL state dict mismatch: missing {missing}, unexpected {unexpected}. Fix: "
-                                   "load the LOCAL state dict this model saved at this world size (or pass strict=False).")
+                                   "load the LOCAL state dict this model saved at this world size, wrapped the same way (the "
+                                   "wrap policy and param_persistence_threshold decide which units are sharded), or pass "
+                                   "strict=False.")
             problem = None
         except (RuntimeError, ValueError) as e:
             problem = e
