@@ -169,3 +169,28 @@ def test_closed_form_tradeoff():
     assert t["secondary_bytes"] == 1.75e9
     assert t["backward_bytes_hpz"] == 7e9 * 2 * 7 / 8 and t["backward_bytes_zero3"] == 7e9 * 2 * 63 / 64
     assert hpz_tradeoff(7e9, 64, 64, 2)["backward_bytes_hpz"] == t["backward_bytes_zero3"]  # k = N: plain ZeRO-3
+
+
+def _update_skipping_empty_slices(rank, world_size):
+    """A hand-written update between forward and backward that skips parameters without a
+    gradient (``if p.grad is not None``): ranks holding no slice of a unit move no counter."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = zs.FSDP(nn.Sequential(nn.Linear(4, 2), nn.Linear(2, 1)), use_orig_params=True, hpz_group_size=K,
+                    auto_wrap_policy=zs.wrap.ModuleWrapPolicy({nn.Linear}))
+    x = torch.randn(3, 4)
+    model(x).sum().backward()
+    out = model(x)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-0.1)
+    out.sum().backward()
+    return [p.grad is None or bool(torch.isfinite(p.grad).all()) for p in model.parameters()]
+
+
+def test_ranks_agree_on_dropping_changed_secondaries(ranks):
+    """Each rank dropped its secondary shards alone when its own counters moved: on this model some
+    ranks gathered a unit over all 4 ranks while their hpZ partners gathered it over 2 (a hang)."""
+    assert all(all(ok) for ok in ranks.run(4, _update_skipping_empty_slices, timeout=60))

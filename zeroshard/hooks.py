@@ -35,6 +35,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from . import agreement, kept, reduce, trace, validation
 from .bucket import Bucketer
 from .handle import RESHARD_AFTER_FORWARD, HandleState
+from .hpz import drop_changed_secondaries
 from .mixed_precision import buffers_for_mode, cast_buffers, remember_buffer_dtypes, tensors_in
 from .options import BackwardPrefetch
 
@@ -286,6 +287,7 @@ def _start_backward(rt, from_root: bool):
     for h in rt.handles:
         h.reset_grad_if_orig_grads_none()
         h.note_grads_at_backward()
+    drop_changed_secondaries(rt.handles)  # hpZ (collective where used)
 
 
 def pre_backward(state):

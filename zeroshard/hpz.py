@@ -23,6 +23,7 @@ Use: ``FullyShardedDataParallel(model, hpz_group_size=k)`` with FULL_SHARD.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from . import comm
 
@@ -42,6 +43,24 @@ class SecondaryShards:
     def gather(self, full: torch.Tensor, secondary: torch.Tensor, what: str) -> "SecondaryGather":
         return SecondaryGather(comm.all_gather(full, secondary, self.group, what=what + " from hpZ secondary shards"),
                                secondary)
+
+
+def drop_changed_secondaries(handles) -> None:
+    """At the start of a backward: the secondary shards of units whose shard changed on any
+    rank since their forward (an optimizer step, an in-place edit: ``shard_version()``) are
+    dropped on every rank, so those units gather the new shard over the whole group, as
+    ZeRO-3, and the others inside their hpZ group. One MAX all-reduce: a rank deciding alone
+    (its slice empty, its counters unmoved) gathered over another group than its partners and
+    hung. Edits through ``.data`` move no counter and are not seen (as for a kept unit)."""
+    hs = [h for h in handles if h.hpz is not None]
+    if not hs:
+        return
+    changed = torch.tensor([float(h.secondary is not None and h.secondary_version != h.shard_version()) for h in hs],
+                           device=hs[0].device)
+    comm.all_reduce(changed, hs[0].group, op=dist.ReduceOp.MAX, what="hpZ: checking whether shards changed since forward")
+    for h, c in zip(hs, changed.tolist()):
+        if c:
+            h.secondary = None
 
 
 class SecondaryGather:
