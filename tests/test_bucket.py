@@ -247,3 +247,27 @@ def test_hybrid_sharding(ranks):
     all-reduces (shard group, replicas) for the persistent root."""
     for calls in ranks.run(4, _hybrid, dict(bucket_cap_mb=25, param_persistence_threshold=2000)):
         assert calls == [(1, 3)] * 2
+
+
+def _persistent_unit_without_gradient(rank, world_size, use_orig_params):
+    class TwoPaths(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.big, self.small = torch.nn.Linear(16, 16), torch.nn.Linear(2, 2)  # small: persistent
+
+        def forward(self, x):
+            return self.big(x)  # small gets no gradient this step
+
+    torch.manual_seed(0)
+    mp = zs.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=True)
+    model = zs.FSDP(TwoPaths(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({torch.nn.Linear}),
+                    param_persistence_threshold=100, mixed_precision=mp, use_orig_params=use_orig_params)
+    model(torch.randn(4, 16)).float().sum().backward()
+    return [(h.persistent, h.flat_param.grad is None) for h in model._runtime.handles if h.persistent]
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_a_persistent_unit_without_gradient_under_keep_low_precision_grads(ranks, use_orig_params):
+    """The cast of a persistent unit's gradient to the parameter dtype read .grad.dtype on None."""
+    for persistent in ranks.run(2, _persistent_unit_without_gradient, use_orig_params):
+        assert (True, True) in persistent, persistent

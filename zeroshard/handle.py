@@ -301,8 +301,6 @@ class FlatParamHandle(OrigParams, FullParams):
             self._full = self._full_buffer(dtype)
             self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
             what = f"unshard ({step}) of unit '{self.unit_name}'"
-            if self.secondary is not None and self.secondary_version != self.shard_version():
-                self.secondary = None  # a step or an in-place edit since forward: gather the new shard, as ZeRO-3
             if self.secondary is not None and not full_precision:  # ZeRO++ hpZ: backward gather inside the group
                 self._gather_work, self.secondary = self.hpz.gather(self._full, self.secondary, what), None
             elif self.quant is not None and not full_precision:  # ZeRO++ qwZ: int8 blocks on the wire
@@ -404,7 +402,8 @@ class FlatParamHandle(OrigParams, FullParams):
         low = self.keep_low_precision_grads and not self.forced_full_precision
         # A persistent unit (NO_SHARD inside a sharded model) casts as the sharded units do (torch's
         # FULL_SHARD: accumulated in the reduce dtype, handed over in the parameter dtype).
-        if (moved or self.persistent) and low and self.flat_param.grad.dtype != self.compute_dtype:
+        grad = self.flat_param.grad
+        if (moved or self.persistent) and low and grad is not None and grad.dtype != self.compute_dtype:
             self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
         if self.use_orig_params:
             self.use_grad_views()
