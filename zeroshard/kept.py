@@ -119,7 +119,7 @@ def drop_stale_kept(rt):
     rt.forward_pending = False
     # Parameters replaced since (p.data = ...): on a kept unit's full views, into its buffer and
     # shard; on the shard views a kept root shows, into the shard, which leaves its buffer stale.
-    into_shard = {h for h in rt.handles if h.unsharded and h.use_orig_params and h.writeback_orig_params()}
+    into_shard = {h for h in rt.handles if h.unsharded and h.use_orig_params and h.writeback_orig_params() and h.sharded}
     if rt.no_sync_forward_steps == validation.optimizer_steps[0] and not graph_kept:
         _edits_after_no_sync(rt, into_shard)  # the flag may be set on this rank only: no collective
         return

@@ -337,14 +337,22 @@ class OrigParams:
                 self.orig_params[i] = now
             value = info.flat_of(now.detach())
             with torch.no_grad():
-                self._full[info.offset : info.offset + info.numel].copy_(value)
+                full = self._full[info.offset : info.offset + info.numel]
+                # Only the elements that differ from the gathered copy reach the shard: under mixed
+                # precision or qwZ that copy is rounded, and `p.data = p.data.clone()` must not
+                # round the fp32 master.
+                changed = value.to(full.dtype) != full
+                full.copy_(value)
                 if self.sharded:
                     sl = self.layout.shard_slices[i]
-                    if sl is not None:
-                        self.local_shard.data[sl.offset_in_shard : sl.offset_in_shard + sl.numel_in_shard].copy_(
-                            value[sl.offset_in_param : sl.offset_in_param + sl.numel_in_shard])
+                    at, lo, n = (None, 0, 0) if sl is None else (sl.offset_in_shard, sl.offset_in_param, sl.numel_in_shard)
                 elif not _same_storage(self._full, self.local_shard):
-                    self.local_shard.data[info.offset : info.offset + info.numel].copy_(value)
+                    at, lo, n = info.offset, 0, info.numel
+                else:
+                    at = None  # the shard is the buffer itself
+                if at is not None:
+                    own, mask = self.local_shard.data[at : at + n], changed[lo : lo + n]
+                    own[mask] = value[lo : lo + n][mask].to(own.dtype)
 
     def refuse_replaced_full_views(self):
         """Before a backward through a unit kept gathered since its forward: a parameter replaced
