@@ -100,6 +100,24 @@ def test_estimate_matches_engine_layouts(ranks, world_size, model_name, policy_n
         assert sum(s for _, _, s in layouts) * 16 == est.sharded_bytes  # fp32 master + grad + 2 Adam states
 
 
+def _whole_layouts(rank, world_size, strategy, persistence):
+    model = zs.FSDP(_model("mlp"), auto_wrap_policy=_policy("mlp"), use_orig_params=True, param_persistence_threshold=persistence,
+                    sharding_strategy=zs.ShardingStrategy[strategy])
+    return [(u._handle.layout.numel, u._handle.layout.padded_numel, u._handle.sharded) for u in zs.FSDP.fsdp_modules(model)]
+
+
+@pytest.mark.parametrize("strategy,persistence", [("NO_SHARD", None), ("FULL_SHARD", 200)])
+def test_whole_units_with_use_orig_params_match_engine_layouts(ranks, strategy, persistence):
+    """With use_orig_params the engine pads a whole unit's (NO_SHARD, persistent) aligned layout to
+    a multiple of the world size; the estimate laid it out for one rank (181 elements for 183)."""
+    est = estimate_model(_model("mlp"), 3, _policy("mlp"), strategy, use_orig_params=True,
+                         param_persistence_threshold=persistence)
+    for layouts in ranks.run(3, _whole_layouts, strategy, persistence):
+        assert [(n, p) for n, p, _ in layouts] == [(u.numel, u.padded_numel) for u in est.units]
+        whole = [u for u, (_, _, sharded) in zip(est.units, layouts) if not sharded]
+        assert whole and all(u.shard_numel == u.padded_numel for u in whole)  # a whole unit's rank holds it all
+
+
 def test_estimate_model_without_policy_and_shared_params():
     est = estimate_model(TinyGPT(), 4)  # one unit; the tied head/embedding weight counted once
     n = sum(p.numel() for p in TinyGPT().parameters())  # parameters() dedups too
@@ -267,6 +285,8 @@ def test_cli_refuses_what_it_cannot_estimate(capsys):
     # A bad --model ended in a raw ModuleNotFoundError / AttributeError traceback.
     assert "--model nosuchmodule:f: No module named 'nosuchmodule'" in refused("--model", "nosuchmodule:f", "--world-size", "2")
     assert "(expected module:function" in refused("--model", "models", "--world-size", "2")
+    # A factory that fails, or returns no module, ended in a raw traceback.
+    assert "--model models:build: calling build() failed: TypeError" in refused("--model", "models:build", "--world-size", "2")
     assert "needs the units' sizes: give --model" in refused("--params", "7e9", "--world-size", "2",
                                                              "--param-persistence-threshold", "100")
     # NO_SHARD shards nothing: its units' "shard numel/rank" was half their numel.

@@ -236,3 +236,20 @@ def test_counts_below_one_are_usage_errors(module, flag):
     the run (demo, transformer); --steps 0 likewise."""
     rc, out = run(["-m", module, *flag.split(), "0"], timeout=120)
     assert rc == 2 and "error:" in out and "Traceback" not in out, out
+
+
+@pytest.mark.parametrize("args,said", [
+    ("zeroshard.examples.hfai_style --world-size 2 --group-size 3", "--group-size 3 must divide --world-size 2"),
+    ("zeroshard.examples.hfai_style --group-size 0", "argument --group-size: 0 must be >= 1"),
+    ("zeroshard.examples.mnist_digits --save-model {file}/x.pt", "is not a writable directory"),
+    ("zeroshard.examples.transformer --ckpt {file}", "not a directory"),
+    ("zeroshard demo --trace {file}/x.json", "is not a writable directory"),
+    ("zeroshard demo --ctx 88349 --chars 100000", "characters of text with --ctx 88349"),
+])
+def test_bad_paths_and_sizes_are_usage_errors_before_training(tmp_path, args, said):
+    """An output path under a file failed only after training; --group-size 0 or one not dividing
+    the world size, and a --ctx longer than the text, crashed inside the spawned ranks."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    rc, out = run(["-m", *args.format(file=a_file).split()], timeout=120)
+    assert rc == 2 and said in out and "Traceback" not in out, out

@@ -188,6 +188,8 @@ def test_cli_prints_table_and_custom_setup(capsys):
     (["--world-size", "64"], "--world-size describes a custom setup"),  # the default's value, given: was ignored
     (["--world", "8"], "unrecognized arguments: --world 8"),  # an abbreviation would slip past the check above
     (["--params", "7e9", "--strategy", "NO_SHARD", "--shard-group", "2"], "NO_SHARD shards nothing"),  # was ignored
+    # groups of 3 contiguous ranks straddle 8-GPU nodes: they were priced as NVLink (review)
+    (["--params", "7e9", "--world-size", "24", "--shard-group", "3"], "neither divides nor is a multiple of the 8 GPUs"),
 ])
 def test_cli_refuses_what_it_cannot_model(argv, said, capsys):
     """These divided by zero, printed negative or >100 % figures, or ignored the flags."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 
 
 def positive_int(text: str) -> int:
@@ -28,3 +29,18 @@ def positive_float(text: str) -> float:
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"{value} must be a finite number > 0")
     return value
+
+
+def check_output_path(parser: argparse.ArgumentParser, option: str, path: str | None, is_dir: bool = False) -> None:
+    """Before any training: ``path`` (a file, or with ``is_dir`` a folder, created as needed)
+    can be written, else a usage error naming ``option`` (it used to fail only once training was done)."""
+    if path is None:
+        return
+    path = os.path.abspath(path)
+    if os.path.exists(path) and os.path.isdir(path) != is_dir:
+        parser.error(f"{option} {path}: {'not a directory' if is_dir else 'is a directory'}")
+    parent = path if is_dir else os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        parser.error(f"{option} {path}: {parent} is not a writable directory")

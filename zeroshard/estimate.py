@@ -194,8 +194,11 @@ def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, str
         compute = param_dtype or dtype
         numel = sum(e[3].numel() for e in entries)
         whole = not sharded or unit_strategy(ShardingStrategy[strategy], numel, param_persistence_threshold).name == "NO_SHARD"
-        layout = build_layout(entries, aliases, 1 if whole else world_size, 0, 16 // compute.itemsize if use_orig_params else 0)
-        u = UnitEstimate(names[m], layout.numel, layout.padded_numel, layout.shard_numel,
+        # With use_orig_params the engine pads even a whole unit's aligned layout to a multiple of the
+        # world size (as torch FSDP1); such a unit's shard is all of it.
+        layout = build_layout(entries, aliases, world_size if use_orig_params or not whole else 1, 0,
+                              16 // compute.itemsize if use_orig_params else 0)
+        u = UnitEstimate(names[m], layout.numel, layout.padded_numel, layout.padded_numel if whole else layout.shard_numel,
                          any(e[3].requires_grad for e in entries), not whole)
         units.append(u)
         held = u.shard_numel * dtype.itemsize
@@ -334,16 +337,24 @@ def main(argv=None) -> str:
             build = getattr(importlib.import_module(mod), fn)
         except (ImportError, AttributeError, ValueError) as e:
             ap.error(f"--model {a.model}: {e} (expected module:function, importable from here)")
-        with torch.device("meta"):  # sizes only: no memory for the weights
-            model = build()
+        try:
+            with torch.device("meta"):  # sizes only: no memory for the weights
+                model = build()
+        except Exception as e:  # the user's factory: say which option led there
+            ap.error(f"--model {a.model}: calling {fn}() failed: {type(e).__name__}: {e}")
+        if not isinstance(model, torch.nn.Module):
+            ap.error(f"--model {a.model}: {fn}() returned {type(model).__name__}, not an nn.Module")
         classes = {type(m) for m in model.modules() if type(m).__name__ == a.wrap_class}
         if a.wrap_class and not classes:
             ap.error(f"no module of class {a.wrap_class} in the model")
         policy = ModuleWrapPolicy(classes) if classes else None
-        model_est = {s: estimate_model(model, a.world_size, policy, s, DTYPES[a.mixed_precision], offload=a.offload,
-                                       param_persistence_threshold=a.param_persistence_threshold)
-                     for s in strategies if s != "ZERO1"}
-        est = next(iter(model_est.values()), None) or estimate_model(model, a.world_size, policy)
+        try:  # a model the engine would refuse (a parameter shared by two units)
+            model_est = {s: estimate_model(model, a.world_size, policy, s, DTYPES[a.mixed_precision], offload=a.offload,
+                                           param_persistence_threshold=a.param_persistence_threshold)
+                         for s in strategies if s != "ZERO1"}
+            est = next(iter(model_est.values()), None) or estimate_model(model, a.world_size, policy)
+        except ValueError as e:
+            ap.error(f"--model {a.model}: {e}")
         psi = est.psi
         lines += [f"Units of {a.model} on {a.world_size} ranks ({est.strategy}):", "",
                   "| unit | numel | padded numel | shard numel/rank |", "|---|---|---|---|"]

@@ -198,6 +198,10 @@ def simulate(model: Model, gpus: int, hardware: str | Hardware, micro_batch: int
     k = gpus if strategy == "NO_SHARD" else min(shard_group or gpus, gpus)
     if gpus % k:
         raise ValueError(f"shard group {k} does not divide world size {gpus}")
+    g = hw.gpus_per_node
+    if k < gpus and (g % k if k < g else k % g):  # contiguous groups would straddle nodes, priced as NVLink
+        raise ValueError(f"shard group {k} neither divides nor is a multiple of the {g} GPUs per node: some groups "
+                         "would straddle two nodes, which this model does not price")
     replicas = gpus // k
     a_s, b_s = link(hw, k, min(k, hw.gpus_per_node))  # shard groups are contiguous ranks
     a_r, b_r = link(hw, replicas, max(1, hw.gpus_per_node // k))  # one rank per shard group
@@ -345,8 +349,11 @@ def main(argv=None) -> str:
     else:
         d = a.d_model or 128 * max(1, round(math.sqrt(a.params / (12 * a.layers)) / 128))
         model = Model(f"{a.params:.3g} params", a.layers, d, a.params / a.layers, 0.0)
-        r = simulate(model, a.world_size, a.hardware, a.micro_batch, a.seq, a.dtype, a.strategy, a.ac,
-                     not a.no_prefetch, a.shard_group, a.efficiency)
+        try:
+            r = simulate(model, a.world_size, a.hardware, a.micro_batch, a.seq, a.dtype, a.strategy, a.ac,
+                         not a.no_prefetch, a.shard_group, a.efficiency)
+        except ValueError as e:
+            ap.error(f"--shard-group {a.shard_group}: {e}" if a.shard_group else str(e))
         hw = HARDWARE[a.hardware]
         text = custom_report(r, f"Ψ = {a.params:,.0f} in {a.layers} units (d = {d}), N = {a.world_size}, "
                                 f"{hw.name}, {a.strategy}{f' (shard group {a.shard_group})' if a.shard_group else ''}, "

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from zeroshard.compat.hfai import FullyShardedDataParallel, size_based_auto_wrap_policy
-from zeroshard.cli_args import positive_int
+from zeroshard.cli_args import check_output_path, positive_int
 from zeroshard.testing import spawn
 
 
@@ -67,10 +67,13 @@ def train(rank, world_size, args):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zeroshard.examples.hfai_style", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=positive_int, default=4)
-    p.add_argument("--group-size", type=int, default=2)
+    p.add_argument("--group-size", type=positive_int, default=2, help="fsdp_group_size: ranks per shard group")
     p.add_argument("--steps", type=positive_int, default=10)
     p.add_argument("--out", default=None, help="checkpoint folder (default: a temporary one)")
     args = vars(p.parse_args(argv))
+    if args["world_size"] % args["group_size"]:
+        p.error(f"--group-size {args['group_size']} must divide --world-size {args['world_size']}")
+    check_output_path(p, "--out", args["out"], is_dir=True)
     with tempfile.TemporaryDirectory() as tmp:
         args["out"] = args["out"] or tmp
         results = spawn(train, args["world_size"], args, timeout=300)

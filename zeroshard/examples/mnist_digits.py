@@ -36,7 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
 import zeroshard as fsdp
-from zeroshard.cli_args import positive_int
+from zeroshard.cli_args import check_output_path, positive_int
 from zeroshard.testing import free_port
 from zeroshard.wrap import size_based_auto_wrap_policy
 
@@ -194,6 +194,7 @@ def main(argv=None):
     parser.add_argument("--no-save", dest="save", action="store_false")
     parser.add_argument("--small", action="store_true", help="CI size: 5 epochs")
     args = parser.parse_args(argv)
+    check_output_path(parser, "--save-model", args.save_model if args.save else None)
     if args.small:
         args.epochs = 5
     args.port = free_port()

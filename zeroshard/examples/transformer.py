@@ -39,7 +39,7 @@ import torch.nn.functional as F
 import zeroshard as fsdp
 from zeroshard import checkpoint
 from zeroshard.demo import _batches, load_text
-from zeroshard.cli_args import positive_int
+from zeroshard.cli_args import check_output_path, positive_int
 from zeroshard.optim_state import init_optim_state
 from zeroshard.testing import spawn
 from zeroshard.wrap import transformer_auto_wrap_policy
@@ -156,6 +156,7 @@ def main(argv=None):
         args["steps"], args["save_at"] = 8, 4
     if not 0 < args["save_at"] < args["steps"]:
         p.error("--save-at must be between 0 and --steps")
+    check_output_path(p, "--ckpt", args["ckpt"], is_dir=True)
     with tempfile.TemporaryDirectory() as tmp:
         args["ckpt"] = os.path.abspath(args["ckpt"] or tmp)
         results = spawn(run, args["world_size"], args, timeout=600)
