@@ -338,10 +338,14 @@ class OrigParams:
             value = info.flat_of(now.detach())
             with torch.no_grad():
                 full = self._full[info.offset : info.offset + info.numel]
-                # Only the elements that differ from the gathered copy reach the shard: under mixed
-                # precision or qwZ that copy is rounded, and `p.data = p.data.clone()` must not
-                # round the fp32 master.
-                changed = value.to(full.dtype) != full
+                # A value in the gathered copy's dtype was computed from that copy, which mixed
+                # precision or qwZ rounded: only its elements that differ reach the shard, so
+                # `p.data = p.data.clone()` leaves the fp32 master alone (NaN both ways, a qwZ block
+                # holding an inf, is no change). A value of another dtype (fp32 EMA weights swapped
+                # in) is taken whole, as given.
+                changed = None
+                if value.dtype == full.dtype:
+                    changed = (value != full) & ~(value.isnan() & full.isnan())
                 full.copy_(value)
                 if self.sharded:
                     sl = self.layout.shard_slices[i]
@@ -351,8 +355,10 @@ class OrigParams:
                 else:
                     at = None  # the shard is the buffer itself
                 if at is not None:
-                    own, mask = self.local_shard.data[at : at + n], changed[lo : lo + n]
-                    own[mask] = value[lo : lo + n][mask].to(own.dtype)
+                    own, new = self.local_shard.data[at : at + n], value[lo : lo + n]
+                    if changed is not None:  # (offload: own on the CPU, the mask on the device)
+                        new = torch.where(changed[lo : lo + n], new.to(own.dtype), own.to(new.device))
+                    own.copy_(new)
 
     def refuse_replaced_full_views(self):
         """Before a backward through a unit kept gathered since its forward: a parameter replaced
