@@ -220,7 +220,8 @@ def main(argv=None):
     p.add_argument("--progress", default="auto", choices=["auto", "bar", "lines"],
                    help="per-step report: a tqdm bar (auto: on a terminal, when tqdm is installed) or plain lines")
     args = vars(p.parse_args(argv))
-    chars = min(args["chars"], len(load_text()))  # the text is shorter than the default --chars
+    text = load_text()
+    chars = min(args["chars"], len(text))  # the text is shorter than the default --chars
     if chars < args["ctx"] + 2:
         p.error(f"--chars must exceed --ctx + 1 (a window and its next character), got {chars} characters of text "
                 f"with --ctx {args['ctx']}")
@@ -230,7 +231,7 @@ def main(argv=None):
     results = spawn(_run, args["world_size"], args, timeout=max(300.0, 5.0 * args["steps"]))
     ours, ref = results[0]
     first, last = ours[0], ours[-1]
-    vocab = len(set(load_text()))
+    vocab = len(set(text))
     print(f"loss {first:.4f} -> {last:.4f} over {len(ours)} steps (chance level ln({vocab}) = {math.log(vocab):.4f})")
     if ref is not None:
         diff = max(abs(a - b) for a, b in zip(ours, ref))

@@ -183,6 +183,7 @@ class FullyShardedDataParallel(nn.Module):
                 host._parameters[FLAT_PARAM] = flat
         self._comm_hook = self._comm_hook_state = None
         self._summoning = 0  # > 0 inside summon_full_params
+        self._plain_dicts = False  # inside summon_full_params(plain_dicts=True) (compat.hfai)
         self._is_root: bool | None = None
         self._runtime: hooks.RootRuntime | None = None
         self._sync_gradients = True

@@ -166,7 +166,7 @@ class FlatParamHandle(OrigParams, FullParams):
         # summon_full_params under mixed precision), created with no storage.
         self._full_buffers: dict[torch.dtype, torch.Tensor] = {}
         self._freed_views: list[FreedView] | None = None  # see _placeholder_views
-        self.installed_views: list | None = None  # what the module attributes were last set to
+        self.installed_views: list | None = None  # what the module's slots were last set to (see OrigParams)
         self.padded = self._full_buffer(self.compute_dtype) if self.sharded else None
         self.padded_bytes = self.layout.padded_numel * self.compute_dtype.itemsize
         # NO_SHARD in the shard's dtype computes on the shard itself: nothing to gather.
@@ -343,7 +343,6 @@ class FlatParamHandle(OrigParams, FullParams):
         for info in self.layout.shared:
             _set_tensor(info.module, info.name, views[info.prim_index], self.use_orig_params)
         self.orig_exposed = False
-        self.full_views = views if self.use_orig_params else None
         self.installed_views = views
 
     def keep_secondary(self):
@@ -404,7 +403,7 @@ class FlatParamHandle(OrigParams, FullParams):
         # FULL_SHARD: accumulated in the reduce dtype, handed over in the parameter dtype).
         grad = self.flat_param.grad
         if (moved or self.persistent) and low and grad is not None and grad.dtype != self.compute_dtype:
-            self.flat_param.grad.data = self.flat_param.grad.data.to(self.compute_dtype)
+            grad.data = grad.data.to(self.compute_dtype)
         if self.use_orig_params:
             self.use_grad_views()
 

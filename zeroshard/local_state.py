@@ -50,7 +50,7 @@ def _refuse_summoned(root, what: str):
     """Inside summon_full_params the units hold their full parameters under the plain names and
     no flat shard: a LOCAL dict taken there was neither LOCAL nor loadable (torch FSDP1 fails with
     a ShardedTensor offset error). A block entered with ``plain_dicts`` (``compat.hfai``) allows it."""
-    if getattr(root, "_plain_dicts", False):
+    if root._plain_dicts:
         return
     busy = next((u for u in units_of(root) if u._summoning), None)
     if busy is not None:
@@ -108,7 +108,7 @@ def save(root, prefix: str = "", keep_vars: bool = False) -> dict:
     (``compat.hfai``: per-rank files for torch.save) gets each flat entry as the
     plain padded shard instead of a ShardedTensor."""
     _refuse_mesh(root)
-    if getattr(root, "_plain_dicts", False):  # in a compat block whose dicts are the plain model's (hfai)
+    if root._plain_dicts:  # in a compat block whose dicts are the plain model's (hfai)
         return summoned_copy(root, prefix)
     _refuse_summoned(root, "state_dict()")
     sharded, no_shard = _layout(root, prefix)

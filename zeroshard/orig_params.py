@@ -41,9 +41,10 @@ class OrigParams:
     # (between steps) until writeback has checked them: only then can the user
     # have replaced them, and one check per exposure is enough.
     orig_exposed: bool = False
-    # While the unit is gathered with use_orig_params, the plain views of the full buffer the
-    # module holds as its parameters (use_unsharded_views); None otherwise.
-    full_views: list | None = None
+    # What the unit last set in the module's parameter slots (the handle's ``installed_views``):
+    # with use_orig_params, the plain views of the full buffer while it computes or stays
+    # gathered (use_unsharded_views), None while the original Parameters stand there.
+    installed_views: list | None = None
     # The gradient objects the original parameters held when the current backward started,
     # and those autograd gave them before their unit's post-backward (see detach_grad_views).
     _grads_at_backward: list | None = None
@@ -71,7 +72,7 @@ class OrigParams:
         for info in self.layout.shared:
             info.module._parameters[info.name] = self.orig_params[info.prim_index]
         self.orig_exposed = True
-        self.full_views = None
+        self.installed_views = None
 
     def use_sharded_grad_views(self):
         g = self.flat_param.grad
@@ -250,7 +251,7 @@ class OrigParams:
         """
         if not self.use_orig_params:
             return False
-        if self.full_views is not None and self.unsharded:
+        if self.installed_views is not None and self.unsharded:
             self._take_replaced_full_views()
         if not self.orig_exposed:
             return False
@@ -306,7 +307,7 @@ class OrigParams:
         since the unit was gathered: ``p.data = ...`` on the view, or a new Parameter in its slot."""
         base, es = self._full.data_ptr(), self._full.element_size()
         out = []
-        for i, (view, info) in enumerate(zip(self.full_views, self.layout.params)):
+        for i, (view, info) in enumerate(zip(self.installed_views, self.layout.params)):
             now = info.module._parameters.get(info.name)
             if now is not None and (now is not view or (info.numel and now.data_ptr() != base + info.offset * es)):
                 out.append((i, info, now))
@@ -320,7 +321,7 @@ class OrigParams:
         all-gather see it (torch FSDP1 raises an AssertionError under ZeRO-2, and a kept root
         computes with the old values)."""
         for i, info, now in self._replaced_full_views():
-            new_object = now is not self.full_views[i]
+            new_object = now is not self.installed_views[i]
             if new_object:
                 self._refuse_plain_tensor(info, now)  # a plain tensor in the slot: functional_call
                 if any(s.prim_index == i for s in self.layout.shared):
@@ -363,7 +364,7 @@ class OrigParams:
     def refuse_replaced_full_views(self):
         """Before a backward through a unit kept gathered since its forward: a parameter replaced
         meanwhile is not what the forward computed with (torch FSDP1 raises too)."""
-        if self.full_views is None or not self.unsharded:
+        if not self.use_orig_params or self.installed_views is None or not self.unsharded:
             return
         for _, info, _ in self._replaced_full_views():
             raise RuntimeError(

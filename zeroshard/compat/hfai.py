@@ -48,17 +48,15 @@ class FullyShardedDataParallel(_Engine):
         for unit in _Engine.fsdp_modules(self):  # auto-wrapped units are engine instances
             unit._state_dict_type = StateDictType.LOCAL_STATE_DICT
         self._fsdp_group_size = fsdp_group_size
-        self._in_summon, self._summon_recurse = False, True
+        self._summon_recurse = True
 
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):
-        """All ranks enter; inside, parameters are full and state_dict() is the plain model's."""
+        """All ranks enter; inside, parameters are full and state_dict() is the plain model's
+        (the block marks its units ``_plain_dicts``)."""
         with sd.summon_full_params(self, recurse=recurse, writeback=writeback, plain_dicts=True):
-            self._in_summon, self._summon_recurse = True, recurse
-            try:
-                yield
-            finally:
-                self._in_summon = False
+            self._summon_recurse = recurse
+            yield
 
     def _check_full(self, call: str) -> None:
         """Inside ``summon_full_params(recurse=False)`` nested units still hold flat shards, not the plain model's keys."""
@@ -74,7 +72,7 @@ class FullyShardedDataParallel(_Engine):
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         if sd.passthrough_active():
             return super().state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
-        if self._in_summon:  # full parameters already here: no collective
+        if self._plain_dicts:  # full parameters already here: no collective
             self._check_full("state_dict()")
             return sd.summoned_copy(self, prefix)
         out = super().state_dict(prefix=prefix, keep_vars=keep_vars)
@@ -82,7 +80,7 @@ class FullyShardedDataParallel(_Engine):
         return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        if self._in_summon:
+        if self._plain_dicts:
             self._check_full("load_state_dict()")
             with sd.plain_module_behaviour():
                 actual = {sd.clean_key(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
