@@ -15,6 +15,13 @@ Compares, in GB/s (payload bytes counted once / median time):
   plan unflatten  CopyPlan.unflatten_into
 
 Usage: python benchmarks/flatten_bench.py [--quick] [--device cuda] [--tensors 1000 --mb 4]
+
+A/B of host-side changes on CPU: each `--csrc NAME=PATH` JIT-builds the csrc folder
+PATH (flatten.cpp, plan.cpp) as its own module and times its one-shot and plan calls
+in the same round-robin, printed as microseconds a call, e.g.
+
+  git archive HEAD csrc | tar -x -C /tmp/old
+  python benchmarks/flatten_bench.py --tensors 1000 --mb 4 --csrc old=/tmp/old/csrc --csrc new=csrc
 """
 
 import argparse
@@ -85,7 +92,19 @@ def timer(device):
     return time_it
 
 
-def bench_case(n, nbytes, device, reps):
+def build_csrc(name, path):
+    """PATH's flatten.cpp and plan.cpp as module NAME (CPU only, flags as setup.py's)."""
+    from torch.utils.cpp_extension import load
+
+    path = os.path.abspath(path)
+    directory = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "flatten_ab", name)
+    os.makedirs(directory, exist_ok=True)
+    return load(name=f"zs_ab_{name}", sources=[os.path.join(path, "flatten.cpp"), os.path.join(path, "plan.cpp")],
+                extra_include_paths=[path], extra_cflags=["-O3", "-g0", "-fopenmp"], extra_ldflags=["-fopenmp"],
+                build_directory=directory)
+
+
+def bench_case(n, nbytes, device, reps, builds=None):
     gen = torch.Generator().manual_seed(n * 7 + nbytes)
     numel = nbytes // 4
     sizes = random_sizes(n, numel, gen)
@@ -108,6 +127,12 @@ def bench_case(n, nbytes, device, reps):
         "plan flatten": lambda: plan_in.flatten_into(flat),
         "plan unflatten": lambda: plan_out.unflatten_into(flat),
     }
+    for name, mod in (builds or {}).items():  # --csrc: the raw modules, as ext calls them
+        p_in, p_out = mod.Plan(tensors, offsets), mod.Plan(outs, offsets)
+        ops[f"{name} fl"] = lambda m=mod: m.flatten_into(tensors, offsets, flat)
+        ops[f"{name} unfl"] = lambda m=mod: m.unflatten_into(flat, offsets, outs)
+        ops[f"{name} plan fl"] = lambda p=p_in: p.flatten_into(flat)
+        ops[f"{name} plan unfl"] = lambda p=p_out: p.unflatten_into(flat)
     # Round-robin over the variants so that load from other processes (a shared
     # 2-core box) hits all of them alike and the ratios stay meaningful.
     times = {name: [] for name in ops}
@@ -116,6 +141,16 @@ def bench_case(n, nbytes, device, reps):
             times[name].append(time_it(fn))
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
     # Every variant must produce the same bytes (guards against benchmarking a no-op).
+    for name in builds or {}:
+        for op in ("fl", "plan fl"):
+            flat.zero_()
+            ops[f"{name} {op}"]()
+            assert torch.equal(flat, src), f"{name} {op}"
+        for op in ("unfl", "plan unfl"):
+            for o in outs:
+                o.zero_()
+            ops[f"{name} {op}"]()
+            assert all(torch.equal(o, t) for o, t in zip(outs, tensors)), f"{name} {op}"
     ext.flatten_into(tensors, offsets, flat)
     assert torch.equal(flat, src)
     ext.unflatten_into(flat, offsets, outs)
@@ -138,7 +173,14 @@ def main():
     p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="CPU threads")
     p.add_argument("--tensors", type=int, nargs="+", default=[10, 100, 1000], help="tensor counts")
     p.add_argument("--mb", type=int, nargs="+", default=[4, 256], help="payloads, MB")
+    p.add_argument("--csrc", action="append", default=[], metavar="NAME=PATH",
+                   help="also time a csrc folder's build (CPU; repeatable)")
     args = p.parse_args()
+    if any("=" not in spec for spec in args.csrc):
+        p.error("--csrc takes NAME=PATH, e.g. --csrc new=csrc")
+    if args.csrc and args.device != "cpu":
+        p.error("--csrc builds CPU modules; for CUDA use benchmarks/flatten_kernels.py --cu")
+    builds = {name: build_csrc(name, path) for name, path in (spec.split("=", 1) for spec in args.csrc)}
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     os.environ.pop("ZEROSHARD_DISABLE_EXT", None)
@@ -163,7 +205,7 @@ def main():
         if nbytes >= 64 * MB and not args.quick:
             reps = 10
         for n in args.tensors:
-            rows.append((n, nbytes, bench_case(n, nbytes, device, reps)))
+            rows.append((n, nbytes, bench_case(n, nbytes, device, reps, builds)))
             print(f"  measured {n} tensors x {nbytes // MB} MB", flush=True)
     print("\nGB/s (payload bytes / median time, 1 GB = 1e9 B; higher is better)\n")
     print("| tensors | payload | " + " | ".join(cols) + " |")
@@ -176,6 +218,13 @@ def main():
     for n, nbytes, g in rows:
         print(f"| {n} | {nbytes // MB} MB | "
               + " | ".join(f"{g[a] / g[b]:.2f}x" for a, b in ratios.values()) + " |")
+    if builds:
+        ab = [f"{name} {op}" for name in builds for op in ("fl", "unfl", "plan fl", "plan unfl")]
+        print("\n--csrc builds, microseconds a call (median; copy for scale)\n")
+        print("| tensors | payload | copy | " + " | ".join(ab) + " |")
+        print("|" + "---:|" * (3 + len(ab)))
+        for n, nbytes, g in rows:
+            print(f"| {n} | {nbytes // MB} MB | " + " | ".join(f"{nbytes / g[c] / 1e3:.1f}" for c in ["copy"] + ab) + " |")
 
 
 
