@@ -220,6 +220,52 @@ def test_buffer_dtype_leaves_ignored_modules_buffers(ranks, how):
     assert all(ranks.run(2, _ignored_buffers, how))
 
 
+# ------------------------------------ state-dict buffers are copies, as torch
+class Counted(nn.Module):
+    """An int counter, a float buffer and BatchNorm statistics: all change every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        self.count += 1
+        with torch.no_grad():
+            self.ema.add_(1.0)
+        return self.bn(self.lin(x))
+
+
+def _buffers_after_another_step(rank, world_size, wrap, sd_type, buffer_dtype):
+    mp = {"param_dtype": torch.bfloat16} | ({"buffer_dtype": torch.bfloat16} if buffer_dtype else {})
+    x, seen = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank)), {}
+    for engine, (lib, wrap_lib, _) in ENGINES.items():
+        torch.manual_seed(0)
+        kw = {"auto_wrap_policy": wrap_lib.ModuleWrapPolicy({Counted})} if wrap else {}
+        m = _fsdp(engine, nn.Sequential(Counted(), Counted()), mixed_precision=mp, **kw)
+        m(x).float().sum().backward()
+        with lib.FullyShardedDataParallel.state_dict_type(m, getattr(lib.StateDictType, sd_type)):
+            sd = m.state_dict()
+        m(x).float().sum().backward()  # moves every buffer in place
+        seen[engine] = {k: v for k, v in sd.items() if k.split(".")[-1] in
+                        ("count", "ema", "running_mean", "running_var", "num_batches_tracked")}
+    assert seen["torch"].keys() == seen["zeroshard"].keys() and len(seen["torch"]) == 10
+    return {k: (v.dtype == seen["zeroshard"][k].dtype and torch.equal(v, seen["zeroshard"][k]))
+            for k, v in seen["torch"].items()}
+
+
+@pytest.mark.parametrize("sd_type", ["FULL_STATE_DICT", "SHARDED_STATE_DICT"])
+@pytest.mark.parametrize("wrap,buffer_dtype", [(False, True), (True, True), (True, False)])
+def test_state_dict_buffers_do_not_move_on_with_training_as_torch(ranks, sd_type, wrap, buffer_dtype):
+    """With buffer_dtype, torch FSDP1's state dict holds clones of the buffers (int
+    counters and BatchNorm statistics in a unit of their own too); zeroshard's
+    entries were the live buffers, so a dict kept in memory moved on with training.
+    Without it both hand out the live buffers, as nn.Module does."""
+    for got in ranks.run(2, _buffers_after_another_step, wrap, sd_type, buffer_dtype):
+        assert all(got.values()), got
+
+
 # ------------------------------------------- FSDP_USE_FULL_PREC_IN_EVAL=1
 class Net(nn.Module):
     def __init__(self, d=8):

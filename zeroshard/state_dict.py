@@ -176,11 +176,27 @@ def _upcast_dtypes(root, prefix: str) -> dict[str, torch.dtype]:
     return orig_buffer_dtypes(root, [u for u in units_of(root) if u._handle is not None], prefix)
 
 
-def buffer_value(v, keep_vars: bool, orig: torch.dtype | None):
+def _cloned_buffers(root) -> set[int]:
+    """ids of the buffers a FULL/SHARDED state dict holds as copies, not as the live tensors.
+
+    torch FSDP1's state-dict hook of a unit with parameters and ``buffer_dtype``
+    set replaces every buffer in its subtree (but its ignored modules') with a
+    clone, whether it cast it back or not: int counters, BatchNorm statistics in
+    a unit of their own. A dict kept in memory then does not move on with training."""
+    units = units_of(root)
+    ignored = {id(b) for u in units for m in u._ignored_modules for b in m.buffers()}
+    return {id(b) for u in units if u._handle is not None and u.mixed_precision.buffer_dtype is not None
+            for b in u.buffers() if id(b) not in ignored}
+
+
+def buffer_value(v, keep_vars: bool, orig: torch.dtype | None, clone: bool = False):
     """A state dict's value for buffer ``v``: with ``orig`` (its dtype before
-    ``buffer_dtype``, see ``mixed_precision.orig_buffer_dtypes``), cast back to it."""
+    ``buffer_dtype``, see ``mixed_precision.orig_buffer_dtypes``), cast back to
+    it; with ``clone`` (see ``_cloned_buffers``) a copy in any case."""
     if orig is not None and torch.is_floating_point(v) and v.dtype != orig:
         return v.detach().to(orig)
+    if clone:
+        return v.detach().clone()
     return v if keep_vars else v.detach()
 
 
@@ -254,7 +270,7 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
     _walk[0] = ctx
     try:
         with plain_module_behaviour():
-            upcast = _upcast_dtypes(root, prefix)
+            upcast, cloned = _upcast_dtypes(root, prefix), _cloned_buffers(root)
             walk_unit(root, destination, lambda d: nn.Module.state_dict(root, destination=d, prefix=prefix, keep_vars=True))
     finally:
         _walk[0] = previous
@@ -265,7 +281,7 @@ def _full_state_dict(root, prefix: str, keep_vars: bool, rank0_only: bool = Fals
     out = {}
     for k, v in destination.items():
         if torch.is_tensor(v) and k not in ctx.copied:  # buffers, ignored parameters (not extra states)
-            v = buffer_value(v, keep_vars, upcast.get(k))
+            v = buffer_value(v, keep_vars, upcast.get(k), clone=id(v) in cloned)
             v = v.cpu() if offload else v
         out[clean_key(k)] = v
     # By the copies, not by the keys seen then: a checkpoint wrapper around a unit renames them afterwards.
