@@ -97,6 +97,21 @@ def check_same_order(root) -> None:
             "(e.g. + 0 * head_b_out.sum()).")
 
 
+def check_same_model(model) -> None:
+    """``zeroshard.initialize`` at stages 0/1, whose parameters are replicated: every rank must hold
+    the same parameters and buffers (as DDP checks), else rank 0's weights broadcast into other
+    shapes and the flat gradients sum unrelated elements, silently or as an abort (collective)."""
+    mine = [(n, tuple(t.shape), str(t.dtype)) for named in (model.named_parameters(), model.named_buffers())
+            for n, t in named]
+    differs = comm.first_difference(mine, None, "initialize (comparing the model across ranks)")
+    if differs is not None:
+        r, first, theirs = differs
+        i = next((i for i, (a, b) in enumerate(zip(first, theirs)) if a != b), min(len(first), len(theirs)))
+        a, b = (v[i] if i < len(v) else "nothing" for v in (first, theirs))
+        raise ValueError(f"zeroshard.initialize: the model differs across ranks: tensor #{i} is {a} on rank 0 but {b} "
+                         f"on rank {r}. Fix: build the same model on every rank.")
+
+
 def check_same_config(cfg) -> None:
     """``zeroshard.initialize``: every rank must train with one config: a different stage, accumulation or
     precision mismatches collectives (a timeout or an abort naming unrelated ones),

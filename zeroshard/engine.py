@@ -135,6 +135,8 @@ class Engine(ConfigGetters, nn.Module):
                     if p.is_floating_point():
                         p.copy_(p.to(dtype))
         if self.stage < 2:
+            if self.world_size > 1:  # stages 2/3 compare each unit's layout instead
+                agreement.check_same_model(model)
             model.to(self.device)
             materialize.sync_module_states(model, lambda m: False, [dist.group.WORLD])  # rank 0's weights
         if isinstance(optimizer, torch.optim.Optimizer):
@@ -148,7 +150,7 @@ class Engine(ConfigGetters, nn.Module):
         else:
             if opt is not None and (self.stage == 1 or dtype is not None):
                 master_device = torch.device("cpu") if cfg.zero.offload_optimizer else None
-                self.zero1 = ZeroOneOptimizer(opt, dist.group.WORLD if self.stage == 1 else None, master_device)
+                self.zero1 = ZeroOneOptimizer(opt, dist.group.WORLD if self.stage == 1 else None, master_device, model)
             if dtype is not None:
                 model.to(dtype)
             wrapped = model

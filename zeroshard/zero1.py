@@ -68,12 +68,23 @@ class _Partition:
         flat = ext.flatten([p.detach().float() for p in params], self.offsets, self.layout.numel)
         device = master_device or params[0].device
         self.master = nn.Parameter(shard_of(flat, self.layout).to(device), requires_grad=True)
+        self.note_written()
+
+    def seen(self) -> list[tuple[int, int]]:
+        """Each parameter's version and address: an in-place edit moves the one, ``p.data =`` the other."""
+        return [(p._version, p.data_ptr()) for p in self.params]
+
+    def note_written(self) -> None:
+        self.written = self.seen()
 
     def padded(self, full: torch.Tensor) -> torch.Tensor:
         """``full`` (layout.numel elements) zero-padded to layout.padded_numel."""
         out = full.new_zeros(self.layout.padded_numel)
         out[: full.numel()].copy_(full)
         return out
+
+
+_SHAPE_AWARE = ("Adafactor", "Muon")  # torch.optim classes whose update depends on a parameter's shape
 
 
 class ZeroOneOptimizer:
@@ -86,23 +97,44 @@ class ZeroOneOptimizer:
     :meth:`reduce_gradients`, then :meth:`step`, then :meth:`zero_grad`.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, process_group="WORLD", master_device=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, process_group="WORLD", master_device=None, model=None):
         # "WORLD" is resolved now, not as a default argument at import time: importing
         # after init_process_group would pin that group object (and keep it alive forever).
         process_group = dist.group.WORLD if process_group == "WORLD" else process_group
-        if any(optimizer.state.values()):
+        shaped = [n for n in _SHAPE_AWARE if isinstance(optimizer, getattr(torch.optim, n, ()))]
+        if shaped:
+            raise ValueError(f"zeroshard: ZeRO-1 steps 1-D chunks of a flat fp32 master, but torch.optim.{shaped[0]} "
+                             "depends on each parameter's shape (it would silently change its update, or fail at the "
+                             "first step). Fix: use an elementwise optimizer (Adam, AdamW, SGD, ...) or ZeRO stage 0 in fp32.")
+        # Adagrad builds its state in __init__ (step 0): made anew below for the masters.
+        if any(st.get("step") is None or float(st["step"]) != 0 for st in optimizer.state.values() if st):
             raise ValueError("zeroshard: ZeRO-1 needs an optimizer that has not stepped yet (its state would be "
                              "replicated, not sharded). Fix: pass a freshly built optimizer.")
+        prebuilt = bool(optimizer.state)
         self.optimizer = optimizer
         self.group, self.master_device = process_group, master_device
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
+        self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self._stepping = False
         # Whether this rank / any rank had a gradient at the last reduce (see clip_grad_norm_).
         self.had_grads = self.any_grads = True
         self.partitions: list[_Partition | None] = []
         self._left_out: list[nn.Parameter] = []  # frozen when given: never stepped (warned if they get a .grad)
+        self._check_same_groups([g["params"] for g in optimizer.param_groups])
         for group in optimizer.param_groups:
             group["params"] = self._partition(group["params"])
+        if prebuilt:  # the state of an optimizer that builds it in __init__, made anew for the masters
+            optimizer.state.clear()
+            try:
+                fresh = type(optimizer)([dict(g) for g in optimizer.param_groups], **optimizer.defaults)
+            except Exception as e:
+                raise ValueError(f"zeroshard: ZeRO-1 could not rebuild the state {type(optimizer).__name__} made in its "
+                                 f"__init__ for the fp32 master chunks ({e}). Fix: use an optimizer that builds its "
+                                 "state at its first step (Adam, AdamW, SGD, ...).") from e
+            optimizer.state.update(fresh.state)
+        # optimizer.step() alone would step masters without gradients, a silent no-op (see _only_inside_step).
+        optimizer.register_step_pre_hook(self._only_inside_step)
         # A group added later (``optimizer.add_param_group``, e.g. layers unfrozen mid-run, as torch's
         # ZeroRedundancyOptimizer allows) is partitioned too: added plainly, it would step each rank's
         # own unreduced gradients and the replicas would drift apart.
@@ -121,6 +153,7 @@ class ZeroOneOptimizer:
             warnings.warn(f"zeroshard: ZeRO-1 add_param_group: {sum(not p.requires_grad for p in params)} of the group's "
                           "parameters do not require grad and are left out (as at construction): unfrozen later, they "
                           "will not train. Fix: call requires_grad_(True) before add_param_group.", stacklevel=2)
+        self._check_same_groups([params], first=len(self.partitions))
         masters = self._partition(params)
         try:
             self._add_to_inner({**group, "params": masters})
@@ -128,13 +161,49 @@ class ZeroOneOptimizer:
             self.partitions.pop()
             raise
 
+    def _only_inside_step(self, optimizer, args, kwargs) -> None:
+        if not self._stepping:
+            raise RuntimeError("zeroshard: this optimizer's parameters are ZeRO-1's fp32 master chunks, whose gradients "
+                               "are filled only by reducing the model's; optimizer.step() alone would step nothing and "
+                               "the model's gradients would pile up. Fix: call engine.step() (zeroshard.initialize), or "
+                               "ZeroOneOptimizer.reduce_gradients() then .step().")
+
     def _partition(self, params) -> list:
         """One group's partition (None without trainable parameters): the group's new ``params``."""
         trainable = [p for p in params if p.requires_grad]
+        dtypes = sorted({str(p.dtype) for p in trainable})
+        if len(dtypes) > 1:
+            raise ValueError(f"zeroshard: ZeRO-1 param group {len(self.partitions)} mixes dtypes {dtypes}; its one flat buffer holds one "
+                             "dtype. Fix: put the parameters of each dtype in a param group of their own.")
         self._left_out += [p for p in params if not p.requires_grad]
         part = _Partition(trainable, self.world, self.rank, self.master_device) if trainable else None
         self.partitions.append(part)
         return [part.master] if part is not None else []
+
+    def _check_same_groups(self, groups: list, first: int = 0) -> None:
+        """Rank r steps chunk r of each group's flat buffer, laid out in the group's order on each rank:
+        ranks listing the parameters in other orders (a set's order differs between processes) would
+        write each other's values into the wrong parameters. Compares the trainable parameters' names
+        (with ``model``), shapes and dtypes, group by group (collective)."""
+        if self.world == 1:
+            return
+        mine = [[(self._names.get(id(p), f"#{i}"), tuple(p.shape), str(p.dtype))
+                 for i, p in enumerate(q for q in params if q.requires_grad)] for params in groups]
+        differs = comm.first_difference(mine, self.group, "ZeRO-1 construction (comparing the param groups across ranks)")
+        if differs is None:
+            return
+        r, ours, theirs = differs
+        r0 = dist.get_global_rank(self.group, 0)
+        if len(ours) != len(theirs):
+            raise ValueError(f"zeroshard: ZeRO-1: the optimizer has {len(ours)} param groups on rank {r0} but {len(theirs)} "
+                             f"on rank {r}. Fix: build the same optimizer on every rank.")
+        gi, a, b = next((gi, a, b) for gi, (a, b) in enumerate(zip(ours, theirs)) if a != b)
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        x, y = (v[i] if i < len(v) else "nothing" for v in (a, b))
+        raise ValueError(f"zeroshard: ZeRO-1 param group {first + gi} lists different parameters on different ranks (at "
+                         f"position {i}: rank {r0} has {x}, rank {r} has {y}); each rank's chunk of the flat master would "
+                         "update other parameters. Fix: build the same model and list each group's parameters in the "
+                         "same order on every rank (e.g. from model.named_parameters(), not from a set).")
 
     def _check_groups(self) -> None:
         if len(self.optimizer.param_groups) != len(self.partitions):
@@ -163,10 +232,13 @@ class ZeroOneOptimizer:
                           "skips them too). Fix: pass them with optimizer.add_param_group(...) after unfreezing.",
                           stacklevel=3)
             self._left_out = [p for p in self._left_out if p.grad is None]  # warned once for these
+        self._take_edits()
         pending = []
         self.had_grads = any(p.grad is not None for p in self.model_params())
         for part in self.parts:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in part.params]
+            # A sparse gradient (Embedding(sparse=True)) is reduced dense, as at stage 0.
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad.to_dense() if p.grad.is_sparse else p.grad
+                     for p in part.params]
             flat = ext.flatten(grads, part.offsets, part.layout.padded_numel)
             if self.world > 1:
                 flat.div_(self.world)  # as DeepSpeed (x * (1/3) rounds differently from x / 3)
@@ -212,7 +284,14 @@ class ZeroOneOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """Step the master chunks, then all-gather them into the parameters."""
-        self.optimizer.step()
+        if any(p.grad is not None for p in self.model_params()) and not self.master_grads():
+            raise RuntimeError("zeroshard: ZeRO-1 step() before reduce_gradients(): the model's gradients are not in "
+                               "the master chunks, so nothing would be stepped. Fix: call reduce_gradients() first.")
+        self._stepping = True
+        try:
+            self.optimizer.step()
+        finally:
+            self._stepping = False
         pending = []
         for part in self.parts:
             dtype, device = part.params[0].dtype, part.params[0].device
@@ -230,12 +309,33 @@ class ZeroOneOptimizer:
     @staticmethod
     def _write_params(part: _Partition, full: torch.Tensor) -> None:
         part.write_back.unflatten_into(full.to(part.params[0].dtype))
+        part.note_written()
 
-    def zero_grad(self) -> None:
+    @torch.no_grad()
+    def _take_edits(self) -> None:
+        """Edits made to the parameters since the last write-back (pruning, clamping, a load of
+        model weights) reach this rank's master chunk, else the next step would overwrite them.
+        Only the elements that differ from the master in the parameters' dtype are taken, so a
+        bf16 model's untouched weights keep their fp32 master bits. Every rank must make the same
+        edit: each takes it into its own chunk only."""
+        for part in self.parts:
+            if part.written == part.seen():
+                continue
+            now = shard_of(ext.flatten([p.detach() for p in part.params], part.offsets, part.layout.numel), part.layout)
+            now, master = now.to(part.master.device), part.master.detach()
+            was = master.to(now.dtype)
+            changed = (now != was) & ~(now.isnan() & was.isnan())
+            master.copy_(torch.where(changed, now.to(master.dtype), master))
+            part.note_written()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
         for part in self.parts:
             part.master.grad = None
             for p in part.params:
-                p.grad = None
+                if set_to_none or p.grad is None:
+                    p.grad = None
+                else:
+                    p.grad.zero_()
 
     @torch.no_grad()
     def sync_master_from_params(self) -> None:
@@ -243,6 +343,7 @@ class ZeroOneOptimizer:
         for part in self.parts:
             flat = ext.flatten([p.detach().float() for p in part.params], part.offsets, part.layout.numel)
             part.master.data.copy_(shard_of(flat, part.layout).to(part.master.device))
+            part.note_written()
 
     # ------------------------------------------------------------ checkpoints
     def _full(self, part: _Partition, shard: torch.Tensor) -> torch.Tensor:
