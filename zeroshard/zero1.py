@@ -94,7 +94,12 @@ class ZeroOneOptimizer:
     parameters and not stepped yet; its param groups are re-pointed, in
     place, at the fp32 master chunks (one per group), so the object, its
     hyperparameters and any LR scheduler bound to it stay valid. Call
-    :meth:`reduce_gradients`, then :meth:`step`, then :meth:`zero_grad`.
+    :meth:`reduce_gradients`, then :meth:`step`, then :meth:`zero_grad`
+    (the inner optimizer's own ``step()`` raises: its masters have no
+    gradient until :meth:`reduce_gradients`). ``model`` (optional) names the
+    parameters when the ranks' param groups are compared at construction.
+    Parameters edited between steps are taken into the master at the next
+    :meth:`reduce_gradients` (see :meth:`_take_edits`).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, process_group="WORLD", master_device=None, model=None):
