@@ -145,3 +145,92 @@ def test_what_a_nested_unit_ignores_its_parent_ignores(ranks, use_orig_params, h
     stays out of both, as in torch FSDP1 (zeroshard's parent flattened it,
     breaking the tie: a bogus optimizer error or a 1-D weight in forward)."""
     assert all(ranks.run(2, _nested_ignored_tied, use_orig_params, how))
+
+
+# ------------------------------------------- an ignored module inside a unit
+class _Side(nn.Linear):
+    """A Linear with a buffer that its reset_parameters() sets too (meta init calls it)."""
+
+    def __init__(self):
+        super().__init__(6, 6)
+        self.register_buffer("scale", torch.empty(6))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        if hasattr(self, "scale"):
+            with torch.no_grad():
+                self.scale.copy_(torch.linspace(0.5, 1.5, 6))
+
+
+class _WithSide(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.side = nn.Linear(6, 6), _Side()
+
+    def forward(self, x):
+        return self.l1(x) + self.side(x) * self.side.scale.to(x.dtype)
+
+
+class _SideNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b0, self.out = _WithSide(), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.out(self.b0(x))
+
+
+def _ignored_inside_a_unit(rank, world_size, meta):
+    seen = []
+    for lib in (tfsdp, zs):
+        torch.manual_seed(0)
+        with torch.device("meta" if meta else "cpu"):
+            m = _SideNet()
+        kw = {"device_id": torch.device("cpu")} if lib is tfsdp else {}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model = lib.FullyShardedDataParallel(
+                m, auto_wrap_policy=lib.wrap.ModuleWrapPolicy({_WithSide}), ignored_modules=[m.b0.side],
+                mixed_precision=lib.MixedPrecision(buffer_dtype=torch.bfloat16), **kw)
+        y = model(torch.ones(2, 6))
+        side = m.b0.side.weight
+        # torch's meta path flattens the re-created side.weight into the unit (then frees it): not read there.
+        kept = side.untyped_storage().size() > 0 and any(p is side for p in model.parameters())
+        seen.append((y, side.detach().clone() if kept else None, m.b0.side.scale.dtype))
+        if lib is zs:
+            assert kept, "zeroshard: the ignored module's parameter left ignored, real, a parameter of the model"
+    (y_t, w_t, dt_t), (y_z, w_z, dt_z) = seen
+    return torch.equal(y_t, y_z) and (meta or torch.equal(w_t, w_z)), dt_t, dt_z
+
+
+@pytest.mark.parametrize("meta", [True, False])
+def test_an_ignored_module_inside_an_auto_wrapped_unit_as_torch(ranks, meta):
+    """torch FSDP1 hands its auto-wrapped units the ignored parameters only: a unit
+    around an ignored module materializes it (meta init) and casts its buffers.
+    zeroshard handed them the modules: the module stayed on meta (the first forward
+    failed on a device error naming nothing), and every unit after it got other values.
+    Its re-created parameters stay ignored (torch flattens them into the unit)."""
+    for same, dt_torch, dt_ours in ranks.run(2, _ignored_inside_a_unit, meta):
+        assert same and dt_torch == dt_ours == torch.bfloat16, (same, dt_torch, dt_ours)
+
+
+def _meta_ignored_parameter(rank, world_size):
+    m = build("mlp")
+    real = {n: p.detach().clone() for n, p in m.named_parameters()}
+    m.out.weight = nn.Parameter(torch.empty_like(m.out.weight, device="meta"))  # the user fills it in later
+    model = zs.FSDP(m, ignored_states=[m.out.weight], use_orig_params=True)
+    with zs.FSDP.summon_full_params(model):
+        kept = all(torch.equal(p, real[n]) for n, p in m.named_parameters() if n != "out.weight")
+    with torch.device("meta"):  # all on meta: out is re-created with the unit, its new weight still ignored
+        m2 = build("mlp")
+    model2 = zs.FSDP(m2, ignored_states=[m2.out.weight])
+    renewed = not m2.out.weight.is_meta and any(p is m2.out.weight for p in model2.parameters())
+    return kept, m.out.weight.is_meta, renewed
+
+
+def test_a_meta_ignored_parameter_does_not_reinitialize_the_unit(ranks):
+    """As torch FSDP1, ignored parameters do not count when deciding to materialize a
+    unit; zeroshard re-initialized a real (pretrained) model for one of them."""
+    for kept, still_meta, renewed in ranks.run(2, _meta_ignored_parameter):
+        assert kept and still_meta and renewed

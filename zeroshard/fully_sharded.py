@@ -124,7 +124,9 @@ class FullyShardedDataParallel(nn.Module):
                 process_group=(shard_group, replicate_group) if replicate_group is not None else shard_group,
                 sharding_strategy=strategy, backward_prefetch=backward_prefetch, forward_prefetch=forward_prefetch,
                 limit_all_gathers=limit_all_gathers, use_orig_params=use_orig_params, device_id=device_id,
-                ignored_modules=ignored_modules, ignored_states=list(ignored_params) or None,
+                # As torch FSDP1: the parameters only. A unit around an ignored module then materializes
+                # it (meta init) and casts its buffers, as torch's does; its parameters stay out of every unit.
+                ignored_states=list(kept_out(ignored, ignored_params)) or None,
                 mixed_precision=mixed_precision, cpu_offload=cpu_offload,
                 param_init_fn=param_init_fn, sync_module_states=sync_module_states,
                 bucket_cap_mb=bucket_cap_mb, param_persistence_threshold=param_persistence_threshold,
@@ -143,7 +145,9 @@ class FullyShardedDataParallel(nn.Module):
         def outside_unit(m):
             return _is_unit(m) or m in ignored
 
-        materialize.materialize(module, outside_unit, _is_unit, self.compute_device, param_init_fn)
+        renewed = materialize.materialize(module, outside_unit, _is_unit, self.compute_device, param_init_fn,
+                                          kept_out(ignored, ignored_params))
+        ignored_params = frozenset(renewed.get(id(p), p) for p in ignored_params)
         if sync_module_states:  # not ignored modules' parameters either (a weight tied into one included)
             materialize.sync_module_states(module, outside_unit, [shard_group, replicate_group],
                                            kept_out(ignored, ignored_params))

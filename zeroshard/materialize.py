@@ -41,8 +41,8 @@ def _own_states(module: nn.Module) -> tuple[torch.Tensor, ...]:
     return (*module.parameters(recurse=False), *module.buffers(recurse=False))
 
 
-def _has_meta_state(module: nn.Module) -> bool:
-    return any(t.is_meta for t in _own_states(module))
+def _has_meta_state(module: nn.Module, ignored_params=frozenset()) -> bool:
+    return any(t.is_meta and t not in ignored_params for t in _own_states(module))
 
 
 def _wrapped_storages(root: nn.Module, is_unit) -> list[int]:
@@ -53,10 +53,23 @@ def _wrapped_storages(root: nn.Module, is_unit) -> list[int]:
 
 
 @torch.no_grad()
-def materialize(root: nn.Module, skip, is_unit, device: torch.device, param_init_fn=None) -> None:
+def materialize(root: nn.Module, skip, is_unit, device: torch.device, param_init_fn=None,
+                ignored_params=frozenset()) -> dict[int, nn.Parameter]:
+    """Materialize the unit's modules if one of their states is on meta; ``ignored_params``
+    (``ignored_states``) do not count, as in torch FSDP1: a model real but for an ignored
+    parameter is left as it is, the parameter the user's to fill. Returns the parameters
+    re-created (``to_empty``), by the id of the one each replaced: an ignored one's successor
+    stays ignored (torch FSDP1 flattens it into the unit, and frees it after the forward)."""
     modules = unit_modules(root, skip)
-    if not any(_has_meta_state(m) for m in modules):
-        return
+    if not any(_has_meta_state(m, ignored_params) for m in modules):
+        return {}
+    before = [(m, dict(m._parameters)) for m in modules]
+    _initialize(root, modules, is_unit, device, param_init_fn, ignored_params)
+    return {id(old): m._parameters[n] for m, params in before for n, old in params.items()
+            if old is not None and m._parameters.get(n) is not None and m._parameters[n] is not old}
+
+
+def _initialize(root, modules, is_unit, device, param_init_fn, ignored_params) -> None:
     if param_init_fn is not None:
         if not callable(param_init_fn):
             raise ValueError(f"zeroshard: param_init_fn must be callable, got {type(param_init_fn).__name__}.")
@@ -64,7 +77,7 @@ def materialize(root: nn.Module, skip, is_unit, device: torch.device, param_init
         for m in modules:
             param_init_fn(m)
         left = next((f"{type(m).__name__}.{n}" for m in modules for n, t in (*m.named_parameters(recurse=False),
-                     *m.named_buffers(recurse=False)) if t.is_meta), None)
+                     *m.named_buffers(recurse=False)) if t.is_meta and t not in ignored_params), None)
         if left is not None:
             raise ValueError(f"zeroshard: after param_init_fn, {left} (in {type(root).__name__}) is still on the meta "
                              "device, with no values to shard. Fix: have param_init_fn materialize every module it is "

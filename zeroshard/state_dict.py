@@ -180,13 +180,15 @@ def _cloned_buffers(root) -> set[int]:
     """ids of the buffers a FULL/SHARDED state dict holds as copies, not as the live tensors.
 
     torch FSDP1's state-dict hook of a unit with parameters and ``buffer_dtype``
-    set replaces every buffer in its subtree (but its ignored modules') with a
+    set replaces every buffer in its subtree (but its own ignored modules') with a
     clone, whether it cast it back or not: int counters, BatchNorm statistics in
     a unit of their own. A dict kept in memory then does not move on with training."""
-    units = units_of(root)
-    ignored = {id(b) for u in units for m in u._ignored_modules for b in m.buffers()}
-    return {id(b) for u in units if u._handle is not None and u.mixed_precision.buffer_dtype is not None
-            for b in u.buffers() if id(b) not in ignored}
+    out = set()
+    for u in units_of(root):
+        if u._handle is not None and u.mixed_precision.buffer_dtype is not None:
+            ignored = {id(b) for m in u._ignored_modules for b in m.buffers()}
+            out |= {id(b) for b in u.buffers() if id(b) not in ignored}
+    return out
 
 
 def buffer_value(v, keep_vars: bool, orig: torch.dtype | None, clone: bool = False):
