@@ -143,6 +143,29 @@ def test_edits_between_steps_reach_the_master(ranks):
         assert as_stage0 and untouched and not changed
 
 
+def _edit_then_checkpoint(rank, world_size, folder, stage, bf16):
+    engines = [_engine(stage, bf16=bf16)[0] for _ in range(2)]
+    first = engines[0]
+    for step in range(2):
+        first.backward(first(_batch(rank, step)).float().pow(2).mean())
+        first.step()
+    with torch.no_grad():
+        _prune(first.module)
+    first.save_checkpoint(folder, tag=f"s{stage}{bf16}")
+    engines[1].load_checkpoint(folder, tag=f"s{stage}{bf16}")
+    for e in engines:
+        e.backward(e(_batch(rank, 5)).float().pow(2).mean())
+        e.step()
+    return _same(*([p.detach() for p in e.module.parameters()] for e in engines))
+
+
+@pytest.mark.parametrize("stage,bf16", [(1, False), (1, True), (0, True)])
+def test_an_edit_survives_a_checkpoint_before_the_next_step(ranks, tmp_path, stage, bf16):
+    """The saved master takes the edits too: a load wrote the master from before them
+    over the saved (edited) model (found by review)."""
+    assert all(ranks.run(2, _edit_then_checkpoint, str(tmp_path), stage, bf16))
+
+
 # ------------------------------------------------------------ optimizers
 def _adagrad(rank, world_size):
     opt_fn = lambda ps: torch.optim.Adagrad(ps, lr=0.05, initial_accumulator_value=0.1)  # noqa: E731

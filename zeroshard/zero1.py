@@ -361,6 +361,7 @@ class ZeroOneOptimizer:
 
     def state_dict(self) -> dict:
         """World-size independent: full flat masters and states per group (collective: call on every rank)."""
+        self._take_edits()  # else a load would write the master from before them over the saved model
         inner = self.optimizer.state_dict()
         groups = []
         for part in self.partitions:
