@@ -25,6 +25,14 @@ from . import comm
 SIDECAR = "zeroshard.json"  # {"world_size": N}: what DCP's metadata does not say
 
 
+
+# When the optimizer states saved and those to load into cover different parameters.
+_OTHER_STATES = ("The checkpoint's optimizer states cover other parameters than this optimizer's: one frozen now "
+                 "that had state when saved, or one that had none then (never stepped). Fix: build the state to load "
+                 "from the checkpoint itself: torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict("
+                 "model_state_dict, '{top}', torch.distributed.checkpoint.FileSystemReader('{path}')), then "
+                 "FSDP.optim_state_dict_to_load(model, optim, that['{top}']).")
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -136,7 +144,8 @@ def _describe_problem(state: dict, path: str, strict: bool) -> str | None:
             near = [k for k in entries if _bare(k) == _bare(key)][:1]
             return (f"zeroshard: load_sharded: the checkpoint '{path}' has no '{key}'{at}"
                     + (f"; it has '{near[0]}'" if near else "")
-                    + ". Fix: load into a state dict with the keys it was saved with (same model, same top-level names).")
+                    + (f". {_OTHER_STATES.format(top=mapping[key][0], path=path)}" if ".state." in key else
+                       ". Fix: load into a state dict with the keys it was saved with (same model, same top-level names)."))
         if is_tensor != isinstance(meta, TensorStorageMetadata):
             return (f"zeroshard: load_sharded: '{key}' is {'a tensor' if is_tensor else 'not a tensor'} here but "
                     f"{'a tensor' if not is_tensor else 'not a tensor'} in the checkpoint '{path}'.")
@@ -158,9 +167,11 @@ def _describe_problem(state: dict, path: str, strict: bool) -> str | None:
             top = saved.planner_data.get(key, (key,))[0]
             if key not in flat and top in tops:
                 empty = not any(".state." in k for k in flat if mapping[k][0] == top)
-                hint = (" An optimizer that has not stepped yet has no state to load into: call "
-                        "zeroshard.optim_state.init_optim_state(optim) before optim_state_dict()."
-                        if ".state." in key and empty else "")
-                return (f"zeroshard: load_sharded: the checkpoint '{path}' has '{key}' but the state to load into does "
-                        f"not (strict=True).{hint} Fix: load into a state dict with the same keys, or pass strict=False.")
+                head = f"zeroshard: load_sharded: the checkpoint '{path}' has '{key}' but the state to load into does not"
+                if ".state." in key and empty:
+                    return (f"{head} (strict=True). An optimizer that has not stepped yet has no state to load into. "
+                            "Fix: call zeroshard.optim_state.init_optim_state(optim) before optim_state_dict().")
+                if ".state." in key:  # strict=False would drop that state silently
+                    return f"{head}. {_OTHER_STATES.format(top=top, path=path)}"
+                return f"{head} (strict=True). Fix: load into a state dict with the same keys, or pass strict=False."
     return None
