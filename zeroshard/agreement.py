@@ -44,6 +44,13 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings
         )
 
 
+def first_mismatch(ours: list, theirs: list) -> tuple[int, object, object]:
+    """(i, ours[i], theirs[i]) at the first position where two lists compared across ranks
+    differ; past the end of the shorter one its side reads "nothing"."""
+    i = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+    return i, *(v[i] if i < len(v) else "nothing" for v in (ours, theirs))
+
+
 def _layout_difference(mine, group, what: str) -> str | None:
     """The first rank of ``group`` whose layout differs from the group's first rank's, in words."""
     differs = comm.first_difference(mine, group, what)
@@ -56,10 +63,7 @@ def _layout_difference(mine, group, what: str) -> str | None:
     if theirs[2] != first[2]:
         (k, a), (_, b) = next((x, y) for x, y in zip(first[2], theirs[2]) if x != y)
         return f"{k}={a} on rank {r0}, {k}={b} on rank {r}"
-    pairs = list(zip(first[1], theirs[1]))
-    i = next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
-    a = first[1][i] if i < len(first[1]) else "nothing"
-    b = theirs[1][i] if i < len(theirs[1]) else "nothing"
+    i, a, b = first_mismatch(first[1], theirs[1])
     return f"parameter #{i}: rank {r0} has {a}, rank {r} has {b}"
 
 
@@ -106,8 +110,7 @@ def check_same_model(model) -> None:
     differs = comm.first_difference(mine, None, "initialize (comparing the model across ranks)")
     if differs is not None:
         r, first, theirs = differs
-        i = next((i for i, (a, b) in enumerate(zip(first, theirs)) if a != b), min(len(first), len(theirs)))
-        a, b = (v[i] if i < len(v) else "nothing" for v in (first, theirs))
+        i, a, b = first_mismatch(first, theirs)
         raise ValueError(f"zeroshard.initialize: the model differs across ranks: tensor #{i} is {a} on rank 0 but {b} "
                          f"on rank {r}. Fix: build the same model on every rank.")
 

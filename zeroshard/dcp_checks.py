@@ -24,14 +24,13 @@ from . import comm
 
 SIDECAR = "zeroshard.json"  # {"world_size": N}: what DCP's metadata does not say
 
-
-
 # When the optimizer states saved and those to load into cover different parameters.
 _OTHER_STATES = ("The checkpoint's optimizer states cover other parameters than this optimizer's: one frozen now "
                  "that had state when saved, or one that had none then (never stepped). Fix: build the state to load "
                  "from the checkpoint itself: torch.distributed.checkpoint.optimizer.load_sharded_optimizer_state_dict("
                  "model_state_dict, '{top}', torch.distributed.checkpoint.FileSystemReader('{path}')), then "
                  "FSDP.optim_state_dict_to_load(model, optim, that['{top}']).")
+
 
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()

@@ -272,6 +272,13 @@ def flatten_params(layout: FlatLayout, tensors) -> torch.Tensor:
     return ext.flatten(flat, [p.offset for p in layout.params], layout.numel)
 
 
+def changed_elements(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Where ``new`` differs from ``old`` (same dtype), NaN counting as equal to NaN: the
+    elements an edit of a parameter wrote, to be taken into the higher-precision copy
+    behind it (the FlatParameter's shard, ZeRO-1's master) without touching the rest."""
+    return (new != old) & ~(new.isnan() & old.isnan())
+
+
 def shard_of(flat: torch.Tensor, layout: FlatLayout) -> torch.Tensor:
     """A fresh copy of this rank's chunk of ``flat``, zero-padded to ``shard_numel``."""
     shard = flat.new_zeros(layout.shard_numel)

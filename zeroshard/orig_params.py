@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from .flat_param import changed_elements
+
 
 def _same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
@@ -346,7 +348,7 @@ class OrigParams:
                 # in) is taken whole, as given.
                 changed = None
                 if value.dtype == full.dtype:
-                    changed = (value != full) & ~(value.isnan() & full.isnan())
+                    changed = changed_elements(value, full)
                 full.copy_(value)
                 if self.sharded:
                     sl = self.layout.shard_slices[i]

@@ -49,7 +49,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm, ext
-from .flat_param import FlatLayout, build_layout, shard_of
+from .agreement import first_mismatch
+from .flat_param import FlatLayout, build_layout, changed_elements, shard_of
 
 
 class _Partition:
@@ -203,8 +204,7 @@ class ZeroOneOptimizer:
             raise ValueError(f"zeroshard: ZeRO-1: the optimizer has {len(ours)} param groups on rank {r0} but {len(theirs)} "
                              f"on rank {r}. Fix: build the same optimizer on every rank.")
         gi, a, b = next((gi, a, b) for gi, (a, b) in enumerate(zip(ours, theirs)) if a != b)
-        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        x, y = (v[i] if i < len(v) else "nothing" for v in (a, b))
+        i, x, y = first_mismatch(a, b)
         raise ValueError(f"zeroshard: ZeRO-1 param group {first + gi} lists different parameters on different ranks (at "
                          f"position {i}: rank {r0} has {x}, rank {r} has {y}); each rank's chunk of the flat master would "
                          "update other parameters. Fix: build the same model and list each group's parameters in the "
@@ -328,8 +328,7 @@ class ZeroOneOptimizer:
                 continue
             now = shard_of(ext.flatten([p.detach() for p in part.params], part.offsets, part.layout.numel), part.layout)
             now, master = now.to(part.master.device), part.master.detach()
-            was = master.to(now.dtype)
-            changed = (now != was) & ~(now.isnan() & was.isnan())
+            changed = changed_elements(now, master.to(now.dtype))
             master.copy_(torch.where(changed, now.to(master.dtype), master))
             part.note_written()
 
@@ -337,9 +336,9 @@ class ZeroOneOptimizer:
         for part in self.parts:
             part.master.grad = None
             for p in part.params:
-                if set_to_none or p.grad is None:
+                if set_to_none:
                     p.grad = None
-                else:
+                elif p.grad is not None:
                     p.grad.zero_()
 
     @torch.no_grad()
