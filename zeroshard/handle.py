@@ -123,6 +123,7 @@ class FlatParamHandle(OrigParams, FullParams):
         # (node, removable handle), and whether any gradient accumulated (see hooks).
         self.post_backward_hook = None
         self.accumulate_hooked = self.grad_accumulated = False
+        self.forward_views: list | None = None  # this iteration's first forward's views (use_unsharded_views)
         self.pre_forward_index: int | None = None
         self.post_forward_index: int | None = None
         self.saved_grad_shard: torch.Tensor | None = None
@@ -272,6 +273,7 @@ class FlatParamHandle(OrigParams, FullParams):
         self.ran_pre_backward = self.needs_pre_backward_unshard = self.prefetched = False
         self.post_backward_called = self.grad_accumulated = False
         self._grads_at_backward = self._outside = None  # (see absorb_outside_grads) held no longer than one backward
+        self.forward_views = None
         if self.post_backward_hook is not None:
             # The AccumulateGrad node stays alive (as torch FSDP1 keeps it): dropped, an op on the
             # sharded FlatParameter between steps (parameters_to_vector) would make a new one shaped
@@ -331,13 +333,26 @@ class FlatParamHandle(OrigParams, FullParams):
 
         The views are taken under grad mode from the FlatParameter itself so
         that autograd routes every parameter's gradient into ``flat_param.grad``.
+        Under mixed precision a sharded unit's backward gets its first forward's
+        views back, as torch FSDP1's does (see below).
         """
-        # Views made under no_grad would carry requires_grad without a grad_fn:
-        # a reentrant checkpoint's recomputation (run from inside backward, in
-        # the pre-backward's views) would then send no gradient to the unit.
-        with torch.enable_grad():
-            chunks = torch.split(self.flat_param, self.layout.split_sizes)
-            views = [p.unflat(chunks[2 * i + 1]) for i, p in enumerate(self.layout.params)]
+        views = self.forward_views
+        if not (self.state == HandleState.BACKWARD_PRE and views is not None and self.post_backward_hook is not None
+                and views[0].untyped_storage().data_ptr() == self._full.untyped_storage().data_ptr()):
+            # Views made under no_grad would carry requires_grad without a grad_fn:
+            # a reentrant checkpoint's recomputation (run from inside backward, in
+            # the pre-backward's views) would then send no gradient to the unit.
+            with torch.enable_grad():
+                chunks = torch.split(self.flat_param, self.layout.split_sizes)
+                views = [p.unflat(chunks[2 * i + 1]) for i, p in enumerate(self.layout.params)]
+            # Each change of .data's dtype (the low-precision gather, the fp32 shard) drops autograd's
+            # AccumulateGrad node, so views made now would feed a new node, not the first forward's
+            # that the post-backward hook is on: a reentrant checkpoint's recomputation would then
+            # leave every unit gathered and unreduced until the end of backward. The first forward's
+            # views, still over this same buffer, feed the hooked node.
+            if self.state == HandleState.FORWARD and self.forward_views is None and self.sharded \
+                    and self._full.dtype != self.local_shard.dtype and views:
+                self.forward_views = views
         for view, info in zip(views, self.layout.params):
             _set_tensor(info.module, info.name, view, self.use_orig_params)
         for info in self.layout.shared:

@@ -54,6 +54,7 @@ class RootRuntime:
         self.first_iter = True
         self.pending: list[reduce.PendingReduction] = []
         self.callback_queued = False
+        self.backward_task = -1  # autograd's id of the backward that queued the callback
         self.in_forward = False  # the root's forward is running (a nested autograd.grad may run inside it)
         self.forward_pending = False  # the root's last forward had grad mode and no backward has run since
         self.reentrant_forward = False  # the last root forward: no grad mode, inputs needing grad (post_forward)
@@ -90,6 +91,8 @@ def _live_non_root(rt) -> int:
 # ----------------------------------------------------------------- forward
 def root_pre_forward(state):
     rt = state._runtime
+    if rt.callback_queued and torch._C._current_graph_task_id() == rt.backward_task:
+        return  # a checkpoint around the whole model recomputes it inside its backward: that step goes on
     if rt.callback_queued:  # the last backward never reached its end: it raised
         kept.recover_from_interrupted_backward(rt)
     elif not _in_backward():
@@ -281,6 +284,7 @@ def _start_backward(rt, from_root: bool):
     if rt.callback_queued or (rt.in_forward and not from_root):
         return
     rt.callback_queued = True
+    rt.backward_task = torch._C._current_graph_task_id()
     rt.graph_backward = torch.is_grad_enabled()  # create_graph=True: a later backward runs through this one
     root = rt.states[0]
     Variable._execution_engine.queue_callback(lambda: post_backward_final(root))
