@@ -314,6 +314,11 @@ def pre_backward(state):
             _hook_post_backward(state, handle)
     if not handle.needs_pre_backward_unshard and handle.sharded and (handle.graph_kept or not handle.unsharded):
         handle.needs_pre_backward_unshard = True
+    # An unsharded unit whose last backward put the original parameters back (use_orig_params): a
+    # reentrant checkpoint's recomputation must compute with views again, or its gradient lands in
+    # p.grad, never all-reduced (a second backward through a retained graph).
+    if not handle.sharded and handle.use_orig_params and handle.orig_exposed:
+        handle.needs_pre_backward_unshard = True
     handle.refuse_replaced_full_views()  # kept gathered since its forward: changed meanwhile?
     if handle.needs_pre_backward_unshard:
         _unshard_for_compute(state, handle)
