@@ -200,3 +200,48 @@ def test_zeroshard_hooks_are_counted_and_compression_halves_the_bytes(ranks):
     assert calls == calls_bf16 == 1
     padded = 64 * 64 + 64  # weight + bias, even: no padding on 2 ranks
     assert fp32 == padded * 4 / 2 and bf16 == padded * 2 / 2
+
+
+def _kept_output_and_wrapped_hook(rank, world_size):
+    import functools
+
+    import torch.distributed as dist
+    import torch.distributed.fsdp as tfsdp
+
+    def adapter(fn):  # an all-reduce hook made usable on sharded units, decorated with functools.wraps
+        @functools.wraps(fn)
+        def wrapper(state, grad, output=None):
+            fn(state, grad)
+            if output is not None:
+                output.copy_(grad.view(world_size, -1)[rank])
+                state.setdefault("outputs", []).append(output)
+        return wrapper
+
+    @adapter
+    def avg_hook(state, grad):
+        grad.div_(world_size)
+        dist.all_reduce(grad)
+
+    seen = {}
+    for engine in ("torch", "zeroshard"):
+        torch.manual_seed(0)
+        mp = (tfsdp if engine == "torch" else zs).MixedPrecision(param_dtype=torch.bfloat16)
+        m = (tfsdp.FullyShardedDataParallel(nn.Linear(6, 4), mixed_precision=mp, device_id=torch.device("cpu"))
+             if engine == "torch" else zs.FSDP(nn.Linear(6, 4), mixed_precision=mp))
+        state = {}
+        m.register_comm_hook(state, avg_hook)  # zeroshard refused it: avg_hook(state, grad) takes no output
+        m(torch.randn(4, 6) + rank).float().sum().backward()
+        grad = m._handle.flat_param.grad
+        m.clip_grad_norm_(1e-3)
+        # torch casts the hook's output back to the parameter dtype in place: it is the gradient, clipped too
+        seen[engine] = (state["outputs"][0] is grad, state["outputs"][0].dtype, grad.clone())
+    assert seen["zeroshard"][:2] == seen["torch"][:2] == (True, torch.float32), seen
+    assert torch.equal(seen["torch"][2], seen["zeroshard"][2])
+    return True
+
+
+def test_a_hook_sees_what_torch_shows_it(ranks):
+    """Two review findings: a hook wrapped with functools.wraps was checked against the
+    wrapped function's signature (and refused); under mixed precision the output tensor
+    a stateful hook keeps (error feedback) stayed the pre-cast bf16 copy, not the gradient."""
+    assert all(ranks.run(2, _kept_output_and_wrapped_hook))

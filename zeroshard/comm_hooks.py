@@ -160,7 +160,7 @@ def _check_call(hook, state, handle) -> None:
                          f"CUDA tensors have, and unit {unit} computes on the CPU (torch FSDP1 fails there too). "
                          f"Fix: use zeroshard.comm_hooks.{hook.__name__} (the same casts and collectives).")
     try:
-        signature = inspect.signature(hook)
+        signature = inspect.signature(hook, follow_wrapped=False)  # what is called: a functools.wraps wrapper's own
     except (TypeError, ValueError):  # a builtin or C callable: nothing to check
         return
     args = (state, None, None) if handle.sharded else (state, None)
