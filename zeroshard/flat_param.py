@@ -175,9 +175,10 @@ class FreedView(torch.Tensor):
         if torch._C._current_graph_task_id() != -1:  # read during backward: a recomputation after the reshard
             raise RuntimeError(
                 f"zeroshard: {freed._where} was read during backward, after its unit resharded (use_orig_params=False): "
-                "a reentrant activation checkpoint around part of a unit recomputes after the unit's own backward "
-                "(torch FSDP1 fails here too). Fix: checkpoint with use_reentrant=False, or checkpoint the whole "
-                "unit (checkpoint_wrapper around or inside it).")
+                "a reentrant activation checkpoint recomputed after the unit's own backward was done (a region around "
+                "part of a unit, or a checkpointed unit run twice before one backward; torch FSDP1 fails here too). "
+                "Fix: checkpoint with use_reentrant=False, or checkpoint each whole unit once per backward "
+                "(checkpoint_wrapper around or inside it).")
         raise RuntimeError(
             f"zeroshard: {freed._where} holds only this rank's shard right now (use_orig_params=False "
             "frees the full parameters outside the unit's forward and backward, and off rank 0 inside "
