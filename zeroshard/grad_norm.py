@@ -32,7 +32,19 @@ def _local_norm(params, norm_type: float, device) -> torch.Tensor:
 
 
 @torch.no_grad()
+def _refuse_inside_summon(root) -> None:
+    """Inside summon_full_params a unit's parameters (and, with_grads, gradients) are full, so a
+    norm over them counts each element once per rank (torch FSDP1 refuses: not IDLE)."""
+    summoning = [s for s in root._runtime.states if s._summoning]
+    if summoning:
+        raise RuntimeError(f"zeroshard: clip_grad_norm_ / the gradient norm was called inside summon_full_params "
+                           f"(unit {type(summoning[0].module).__name__} is summoned), where gradients may be full "
+                           "copies and the norm would count them once per rank (torch FSDP1 raises too). Fix: call "
+                           "it after the `with summon_full_params(...)` block.")
+
+
 def clip_grad_norm_(root, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    _refuse_inside_summon(root)
     handles = root._runtime.handles
     if all(not h.sharded for h in handles):
         return torch.nn.utils.clip_grad_norm_(root.parameters(), max_norm, norm_type)
@@ -52,6 +64,7 @@ def clip_grad_norm_(root, max_norm: float, norm_type: float = 2.0) -> torch.Tens
 def total_norm(root, norm_type: float = 2.0) -> torch.Tensor:
     """The norm :func:`clip_grad_norm_` would return (in fp32), gradients untouched
     (collective when a unit is sharded)."""
+    _refuse_inside_summon(root)
     if all(not h.sharded for h in root._runtime.handles):
         return local_total_norm(root.parameters(), norm_type)
     return _total_norm(root, float(norm_type))[0]
