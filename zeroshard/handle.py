@@ -3,9 +3,9 @@
 * **shard** (construction): the unit's parameters are flattened (see
   ``flat_param``) and each rank keeps only its chunk; the full buffer is freed.
 * **unshard** (before forward / backward): the chunks are all-gathered into a
-  padded buffer and the original parameters are re-pointed to views of it, so
-  the unchanged module code computes with full tensors and autograd sends their
-  gradients into one flat gradient.
+  padded buffer and the original parameters are re-pointed to views of it
+  (``module_views``), so the unchanged module code computes with full tensors
+  and autograd sends their gradients into one flat gradient.
 * **reshard** (after forward / backward): the FlatParameter points back at the
   shard and the padded buffer's storage is resized to zero, really freeing it.
   Tensors autograd saved for backward keep pointing into that storage; it is
@@ -16,14 +16,13 @@ Gradient reduction lives in ``reduce``; when these steps run is ``hooks``'s job.
 """
 from __future__ import annotations
 
-import enum
-
 import torch
 import torch.nn as nn
 
 from . import agreement, comm, trace, validation
 from .flat_param import FlatLayout, FlatParameter, FreedView, build_layout, flatten_params, shard_of
 from .full_params import FullParams
+from .module_views import HandleState, ModuleViews
 from .options import ShardingStrategy
 from .orig_params import OrigParams
 from .quantize import QuantizedGather
@@ -35,14 +34,7 @@ from .working_set import unsharded_tracker
 RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 
 
-class HandleState(enum.Enum):
-    IDLE = enum.auto()
-    FORWARD = enum.auto()
-    BACKWARD_PRE = enum.auto()
-    BACKWARD_POST = enum.auto()
-
-
-class FlatParamHandle(OrigParams, FullParams):
+class FlatParamHandle(ModuleViews, OrigParams, FullParams):
     """Owns one unit's FlatParameter, its shard, and its padded unsharded buffer."""
 
     def __init__(self, entries, aliases, *, group, strategy: ShardingStrategy, use_orig_params: bool, unit_name: str,
@@ -230,26 +222,6 @@ class FlatParamHandle(OrigParams, FullParams):
             self._full = data
             self.use_unsharded_views()
 
-    def _placeholder_views(self):
-        """While the unit is sharded (use_orig_params=False) each module attribute
-        is a :class:`~zeroshard.flat_param.FreedView`: the module prints and
-        introspects (repr, apply, shapes) as under torch FSDP1, and reading its
-        values raises instead of reading freed memory. A buffer still gathered
-        (the root between forward and backward) keeps its real views."""
-        full = self._full_buffer(self.compute_dtype)
-        if full.untyped_storage().nbytes() != 0:
-            views = [p.unflat(full[p.offset : p.offset + p.numel]) for p in self.layout.params]
-        else:
-            if self._freed_views is None or self._freed_views[0].dtype != self.compute_dtype:
-                self._freed_views = [FreedView(p.shape, p.stride, self.compute_dtype, self.device, p.fqn, self)
-                                     for p in self.layout.params]
-            views = self._freed_views
-        self.installed_views = views  # (validation.refuse_replaced_flat_param)
-        for view, info in zip(views, self.layout.params):
-            info.module.__dict__[info.name] = view
-        for info in self.layout.shared:
-            info.module.__dict__[info.name] = views[info.prim_index]
-
     def _full_buffer(self, dtype: torch.dtype) -> torch.Tensor:
         if dtype not in self._full_buffers:
             buf = self.local_shard.new_empty(self.layout.padded_numel, dtype=dtype, device=self.device)
@@ -328,38 +300,6 @@ class FlatParamHandle(OrigParams, FullParams):
         self.flat_param.data = self._full[: self.layout.numel]
         self.use_unsharded_views()
 
-    def use_unsharded_views(self):
-        """Make each module attribute a view of the (unsharded) FlatParameter.
-
-        The views are taken under grad mode from the FlatParameter itself so
-        that autograd routes every parameter's gradient into ``flat_param.grad``.
-        Under mixed precision a sharded unit's backward gets its first forward's
-        views back, as torch FSDP1's does (see below).
-        """
-        views = self.forward_views
-        if not (self.state == HandleState.BACKWARD_PRE and views is not None and self.post_backward_hook is not None
-                and views[0].untyped_storage().data_ptr() == self._full.untyped_storage().data_ptr()):
-            # Views made under no_grad would carry requires_grad without a grad_fn:
-            # a reentrant checkpoint's recomputation (run from inside backward, in
-            # the pre-backward's views) would then send no gradient to the unit.
-            with torch.enable_grad():
-                chunks = torch.split(self.flat_param, self.layout.split_sizes)
-                views = [p.unflat(chunks[2 * i + 1]) for i, p in enumerate(self.layout.params)]
-            # Each change of .data's dtype (the low-precision gather, the fp32 shard) drops autograd's
-            # AccumulateGrad node, so views made now would feed a new node, not the first forward's
-            # that the post-backward hook is on: a reentrant checkpoint's recomputation would then
-            # leave every unit gathered and unreduced until the end of backward. The first forward's
-            # views, still over this same buffer, feed the hooked node.
-            if self.state == HandleState.FORWARD and self.forward_views is None and self.sharded \
-                    and self._full.dtype != self.local_shard.dtype and views:
-                self.forward_views = views
-        for view, info in zip(views, self.layout.params):
-            _set_tensor(info.module, info.name, view, self.use_orig_params)
-        for info in self.layout.shared:
-            _set_tensor(info.module, info.name, views[info.prim_index], self.use_orig_params)
-        self.orig_exposed = False
-        self.installed_views = views
-
     def keep_secondary(self):
         """hpZ: before the forward's buffer is freed, keep this rank's piece of it."""
         if self.hpz is not None and self.unsharded and self._full.dtype == self.compute_dtype:
@@ -422,11 +362,3 @@ class FlatParamHandle(OrigParams, FullParams):
         if self.use_orig_params:
             self.use_grad_views()
 
-
-def _set_tensor(module: nn.Module, name: str, tensor: torch.Tensor, in_parameters: bool):
-    if in_parameters:
-        # use_orig_params: the slot stays in _parameters (named_parameters
-        # keeps the name) but holds the plain view while the unit computes.
-        module._parameters[name] = tensor
-    else:
-        module.__dict__[name] = tensor
