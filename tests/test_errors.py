@@ -150,6 +150,17 @@ CASES = {
     "hpz_zero": (functools.partial(zs.FSDP, MLP(), hpz_group_size=0), ValueError, ["hpz_group_size=0", "Fix"]),
     "hpz_not_a_divisor": (functools.partial(zs.FSDP, MLP(), hpz_group_size=3), ValueError,
                           ["hpz_group_size=3 does not divide", "Fix"]),
+    # Were a raw error at the first backward ("Invalid device string: 'float16'"), a TypeError, and
+    # buffers truncated to ints with training going on (review finding; torch does the same).
+    "reduce_dtype_string": (functools.partial(zs.FSDP, MLP(), mixed_precision=zs.MixedPrecision(reduce_dtype="float16")),
+                            ValueError, ["reduce_dtype='float16'", "floating-point torch.dtype", "Fix"]),
+    "buffer_dtype_int": (functools.partial(zs.FSDP, MLP(), mixed_precision=zs.MixedPrecision(buffer_dtype=torch.int32)),
+                         ValueError, ["buffer_dtype=torch.int32", "Fix"]),
+    # Ignoring the root: nothing sharded, nothing reduced, replicas drifting apart silently (torch too).
+    "ignored_root": (lambda: (lambda m: zs.FSDP(m, ignored_modules=[m]))(MLP()), ValueError,
+                     ["holds the wrapped module itself", "Fix"]),
+    "ignored_modules_one_module": (lambda: (lambda m: zs.FSDP(m, ignored_modules=m.blocks[0]))(MLP()), ValueError,
+                                   ["takes a list", "ignored_modules=[module]"]),
 }
 if not torch.cuda.is_available():  # on a GPU machine tests/test_cuda.py checks the mismatch
     CASES["device_id_without_cuda"] = (_device_id_without_cuda, ValueError, ["device_id=cuda:0", "not available", "Fix"])
@@ -307,3 +318,81 @@ def test_saving_a_whole_wrapped_model_names_the_real_fix(ranks):
     pickling fails on the process group instead (torch FSDP1 cannot pickle one either)."""
     for msg in ranks.run(2, _save_the_wrapped_model):
         assert msg and "cannot be pickled or saved whole" in msg and "save its state_dict()" in msg, msg
+
+
+class _Buffers(nn.Module):
+    def __init__(self, extra: bool):
+        super().__init__()
+        self.l1, self.bn = nn.Linear(4, 4), nn.BatchNorm1d(4)
+        if extra:
+            self.l1.register_buffer("extra", torch.full((2,), 99.0))
+
+
+def _sync_with_other_buffers(rank, world_size):
+    try:
+        zs.FSDP(_Buffers(extra=rank == 1), sync_module_states=True)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_sync_module_states_refuses_ranks_with_other_buffers(ranks):
+    """One extra buffer on rank 1: the flat broadcast shifted every later buffer into its
+    neighbours' values (BatchNorm's running stats became others'), silently (review finding)."""
+    for msg in ranks.run(2, _sync_with_other_buffers):
+        assert msg and "states to broadcast differ" in msg and "l1.extra" in msg and "Fix" in msg, msg
+
+
+def _full_prec_in_eval_on_one_rank(rank, world_size):
+    import os
+    os.environ["FSDP_USE_FULL_PREC_IN_EVAL"] = "1" if rank == 0 else "0"
+    try:
+        zs.FSDP(MLP(), mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16))
+    except ValueError as e:
+        return str(e)
+    finally:
+        del os.environ["FSDP_USE_FULL_PREC_IN_EVAL"]
+    return None
+
+
+def test_full_prec_in_eval_set_on_one_rank_is_named(ranks):
+    """Read per process: set on one rank only, its eval all-gathers mismatched the others' (gloo abort)."""
+    for msg in ranks.run(2, _full_prec_in_eval_on_one_rank):
+        assert msg and "FSDP_USE_FULL_PREC_IN_EVAL" in msg and "different layout" in msg, msg
+
+
+def _forward_inside_summon(rank, world_size, use_orig_params, writeback, mixed):
+    torch.manual_seed(0)
+    mp = zs.MixedPrecision(param_dtype=torch.bfloat16) if mixed else None
+    m = zs.FSDP(MLP(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params, mixed_precision=mp)
+    torch.manual_seed(0)
+    plain = MLP()
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        plain.out.bias.add_(100.0)
+        with zs.FSDP.summon_full_params(m, writeback=writeback):
+            m.out.bias.add_(100.0)
+            same = torch.equal(m(x), plain(x))  # the summoned (edited, full-precision) parameters, as a plain module
+            still = torch.equal(m.out.bias, plain.out.bias)  # and they stay summoned after it
+        with zs.FSDP.summon_full_params(m):
+            kept = torch.equal(m.out.bias, plain.out.bias)
+        try:
+            with zs.FSDP.summon_full_params(m), torch.enable_grad():
+                m(x)
+            refused = None
+        except RuntimeError as e:
+            refused = str(e)
+    return same, still, kept, refused
+
+
+@pytest.mark.parametrize("use_orig_params,writeback,mixed", [(False, True, False), (True, True, True), (False, False, True),
+                                                              (True, False, False)])
+def test_a_forward_inside_summon_full_params_computes_with_the_summoned_parameters(ranks, use_orig_params, writeback, mixed):
+    """It freed the summoned buffer: with writeback the block's edits were lost and leaving it raised
+    a bare TypeError; with use_orig_params=False and no writeback it raised reading a freed view
+    (torch asserts 'Expects tensor to be unsharded', or with use_orig_params writes padding back).
+    Now a no-grad forward (evaluation, generation) computes with the summoned parameters, edits
+    included, in their own precision; with grad mode it is refused, naming the fix."""
+    for same, still, kept, refused in ranks.run(2, _forward_inside_summon, use_orig_params, writeback, mixed):
+        assert same and still and kept == writeback, (same, still, kept)
+        assert refused and "with grad mode inside its summon_full_params" in refused and "Fix" in refused, refused

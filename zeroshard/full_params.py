@@ -53,6 +53,7 @@ class FullParams:
             _register(info.module, info.name, params[info.prim_index])
         if with_grads and any_grad:
             undo["grads"] = self._gather_full_grads(params)
+        self.summoned_writeback = writeback  # (hooks.pre_forward: a forward inside the block)
         return undo
 
     def _any_rank_has_grad(self) -> bool:
@@ -87,6 +88,7 @@ class FullParams:
         return g
 
     def exit_full_params(self, writeback: bool, undo: dict):
+        self.summoned_writeback = None
         if self.sharded and writeback:
             start = self.rank * self.layout.shard_numel
             # Through .data: the write does not bump the version counter the forward's saved views share (a

@@ -173,6 +173,7 @@ class FullyShardedDataParallel(nn.Module):
                 # Ranks must agree on these too (their collectives), and on where the nested units are: two ranks
                 # that ignored different blocks pair their units up by construction order, relative names equal.
                 settings=dict(backward_prefetch=backward_prefetch, bucket_cap_mb=bucket_cap_mb,
+                              FSDP_USE_FULL_PREC_IN_EVAL=self._use_full_prec_in_eval,  # set on one rank: gloo abort
                               quantized_all_gather=agreement.described(quantized_all_gather), hpz_group_size=hpz_group_size,
                               nested_units=[n for n, m in module.named_modules() if m in nested] or None),
             )
@@ -256,7 +257,8 @@ class FullyShardedDataParallel(nn.Module):
     def _before_forward(self, args, kwargs):
         self._lazy_init()
         mp, h = self.mixed_precision, self._handle
-        full_precision = h is not None and h.forced_full_precision  # FSDP_USE_FULL_PREC_IN_EVAL in eval mode
+        # FSDP_USE_FULL_PREC_IN_EVAL in eval mode, or inside summon_full_params (summoned in the parameters' dtype)
+        full_precision = h is not None and (h.forced_full_precision or h.summoned_writeback is not None)
         if self._is_root:
             hooks.root_pre_forward(self)  # before the hook below: it settles which FlatParameters require grad
             if not hooks._in_backward():  # a reentrant checkpoint around the root: recomputed in its backward

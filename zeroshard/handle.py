@@ -115,6 +115,7 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         # (node, removable handle), and whether any gradient accumulated (see hooks).
         self.post_backward_hook = None
         self.accumulate_hooked = self.grad_accumulated = False
+        self.summoned_writeback: bool | None = None  # inside summon_full_params: its writeback (full_params)
         self.forward_views: list | None = None  # this iteration's first forward's views (use_unsharded_views)
         self.pre_forward_index: int | None = None
         self.post_forward_index: int | None = None

@@ -121,6 +121,9 @@ def pre_forward(state):
         return
     if handle.state == HandleState.BACKWARD_PRE:  # recomputation (checkpointing)
         return
+    if handle.summoned_writeback is not None:  # inside summon_full_params: compute with the summoned parameters
+        validation.refuse_grad_forward_inside_summon(handle)
+        return
     rt = state._runtime
     validation.refuse_replaced_flat_param(handle)
     handle.state = HandleState.FORWARD
@@ -200,7 +203,7 @@ def _before_accumulate(state):
 @torch.compiler.disable  # runs eagerly under torch.compile (see FullyShardedDataParallel.forward)
 def post_forward(state, output):
     handle = state._handle
-    if handle is not None and handle.state == HandleState.BACKWARD_PRE:
+    if handle is not None and (handle.state == HandleState.BACKWARD_PRE or handle.summoned_writeback is not None):
         return output
     rt = state._runtime
     # A forward run from inside this model's backward (or after a no-grad root forward on inputs

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from . import comm, ext
+from . import agreement, comm, ext
 
 
 def unit_modules(root: nn.Module, skip) -> list[nn.Module]:
@@ -117,8 +117,10 @@ def sync_module_states(root: nn.Module, skip, groups, ignored_params=frozenset()
         if not getattr(b, "_zeroshard_synced", False):
             b._zeroshard_synced = True
             tensors.append(b)
+    tensors = list(dict.fromkeys(tensors))  # tied tensors once
+    _check_same_states(root, tensors, groups)
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = collections.defaultdict(list)
-    for t in dict.fromkeys(tensors):  # tied tensors once
+    for t in tensors:
         by_dtype[t.dtype].append(t)
     for same in by_dtype.values():
         offsets, pos = [], 0
@@ -130,3 +132,22 @@ def sync_module_states(root: nn.Module, skip, groups, ignored_params=frozenset()
             if group is not None and group.size() > 1:
                 comm.broadcast(flat, dist.get_global_rank(group, 0), group, "sync_module_states")
         ext.unflatten_into(flat, offsets, [t.data for t in same])
+
+
+def _check_same_states(root: nn.Module, tensors: list, groups) -> None:
+    """Every rank must broadcast the same list of tensors: one buffer more or less on a rank
+    (gloo does not compare sizes) shifts every later buffer's values into its neighbours'."""
+    names = {id(t): n for named in (root.named_parameters(remove_duplicate=False), root.named_buffers(remove_duplicate=False))
+             for n, t in named}
+    mine = [(names.get(id(t), "?"), tuple(t.shape), str(t.dtype)) for t in tensors]
+    for group in groups:
+        if group is None or group.size() == 1:
+            continue
+        differs = comm.first_difference(mine, group, "sync_module_states (comparing the states across ranks)")
+        if differs is not None:
+            r, first, theirs = differs
+            i, a, b = agreement.first_mismatch(first, theirs)
+            raise ValueError(f"zeroshard: sync_module_states in FullyShardedDataParallel({type(root).__name__}): "
+                             f"the states to broadcast differ across ranks: #{i} is {a} on the source rank but {b} on "
+                             f"rank {r}. Fix: build the same model (parameters and buffers) on every rank.")
+

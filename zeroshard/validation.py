@@ -180,7 +180,14 @@ def compute_device(module: nn.Module, device_id, group) -> torch.device:
 def split_ignored(ignored_modules, ignored_states, module, is_unit):
     """torch FSDP1's ``ignored_states``: modules (as ``ignored_modules``) or
     parameters (kept out of every FlatParameter: replicated, not reduced)."""
+    if isinstance(ignored_modules, nn.Module):  # iterating it would fail with "not iterable"
+        raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_modules takes a list "
+                         f"of modules, got one {type(ignored_modules).__name__}. Fix: ignored_modules=[module].")
     ignored_modules, ignored_params = _split_ignored(ignored_modules, ignored_states, module)
+    if any(m is module for m in ignored_modules or ()):  # torch accepts it: no unit reduces anything, replicas drift
+        raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_modules holds the wrapped "
+                         "module itself, so no parameter would be sharded or have its gradient reduced (the ranks would "
+                         "train apart, silently). Fix: ignore submodules only, or do not wrap the model.")
     if any(is_unit(m) for m in ignored_modules or ()):  # torch FSDP1's rule, with the fix
         raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_modules should not "
                          "include FSDP modules (the unit would be sharded anyway). Fix: ignore the module it wraps "
@@ -247,6 +254,11 @@ def check_option_types(cpu_offload, mixed_precision, device_id) -> None:
     if mixed_precision is not None and not hasattr(mixed_precision, "param_dtype"):
         raise ValueError(f"zeroshard: mixed_precision={mixed_precision!r} is not a MixedPrecision. "
                          "Fix: pass mixed_precision=MixedPrecision(param_dtype=..., reduce_dtype=..., buffer_dtype=...).")
+    for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):  # else a raw error at the first backward, or
+        value = getattr(mixed_precision, field, None)             # buffers truncated to ints, silently
+        if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+            raise ValueError(f"zeroshard: MixedPrecision({field}={value!r}) is not a floating-point torch.dtype. "
+                             f"Fix: pass e.g. {field}=torch.bfloat16 (or None for the parameters' own dtype).")
     if device_id is not None and (isinstance(device_id, bool) or not isinstance(device_id, (int, str, torch.device))):
         raise ValueError(f"zeroshard: device_id={device_id!r} ({type(device_id).__name__}) is not a device. "
                          'Fix: pass an int (a CUDA index) or a torch.device, e.g. device_id=torch.device("cpu").')
@@ -350,3 +362,14 @@ def refuse_outputs_on_the_freed_buffer(handle, outputs) -> None:
                                f"{tuple(t.shape)}), whose memory is freed when the unit reshards after its forward. "
                                "Fix: return a copy (.clone()) or a result computed from them, or keep this module "
                                "inside its parent's unit.")
+
+
+def refuse_grad_forward_inside_summon(handle) -> None:
+    """Inside summon_full_params a unit's forward computes with the summoned full parameters
+    (no gather, no reshard: edits made in the block count, and stay). With grad mode its
+    gradients would land on those temporary full parameters, never reduced, and be dropped at
+    the block's exit (torch FSDP1 asserts 'Expects tensor to be unsharded' or trains wrong)."""
+    if torch.is_grad_enabled() and handle.flat_param.requires_grad:
+        raise RuntimeError(f"zeroshard: forward of unit '{handle.unit_name}' with grad mode inside its "
+                           "summon_full_params: its gradients would go to the summoned copies and be lost. Fix: "
+                           "run it under torch.no_grad() (evaluation, generation), or train after the with block.")
