@@ -159,6 +159,10 @@ CASES = {
     # Ignoring the root: nothing sharded, nothing reduced, replicas drifting apart silently (torch too).
     "ignored_root": (lambda: (lambda m: zs.FSDP(m, ignored_modules=[m]))(MLP()), ValueError,
                      ["holds the wrapped module itself", "Fix"]),
+    # Were "'set' object is not callable" and "Block.__init__() got an unexpected keyword argument 'module'".
+    "policy_a_set": (functools.partial(zs.FSDP, MLP(), auto_wrap_policy={Block}), ValueError,
+                     ["is not a policy", "ModuleWrapPolicy", "Fix"]),
+    "policy_a_class": (functools.partial(zs.FSDP, MLP(), auto_wrap_policy=Block), ValueError, ["is not a policy", "Fix"]),
     "ignored_modules_one_module": (lambda: (lambda m: zs.FSDP(m, ignored_modules=m.blocks[0]))(MLP()), ValueError,
                                    ["takes a list", "ignored_modules=[module]"]),
 }

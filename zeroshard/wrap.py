@@ -147,6 +147,11 @@ def wrap_submodules(module: nn.Module, policy, unit_kwargs: dict, make_unit: Cal
     bad = next((m for m in module.modules() if is_unit(m)), None)
     if bad is not None:  # checked before anything changes, ignored subtrees included (as torch)
         raise _nested_unit_error(bad)
+    if isinstance(policy, (type, set, frozenset, list, tuple)):
+        # else "'set' object is not callable", or the class called with module=... (torch's errors too)
+        raise ValueError(f"zeroshard: auto_wrap_policy={policy!r} is not a policy. Fix: for module classes pass "
+                         "ModuleWrapPolicy({Block, ...}); else a policy object, or a callable "
+                         "(module, recurse, nonwrapped_numel) -> bool such as functools.partial(size_based_auto_wrap_policy, ...).")
     mp = unit_kwargs.get("mixed_precision")
     fp32_classes = tuple(getattr(mp, "_module_classes_to_ignore", ())) if mp is not None else ()
     fp32 = [m for m in module.modules() if isinstance(m, fp32_classes)]
