@@ -271,3 +271,19 @@ def test_a_persistent_unit_without_gradient_under_keep_low_precision_grads(ranks
     """The cast of a persistent unit's gradient to the parameter dtype read .grad.dtype on None."""
     for persistent in ranks.run(2, _persistent_unit_without_gradient, use_orig_params):
         assert (True, True) in persistent, persistent
+
+
+def _bucketed_low_precision_grads_are_their_own(rank, world_size):
+    torch.manual_seed(0)
+    m = zs.FSDP(MLP(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), bucket_cap_mb=25,
+                mixed_precision=zs.MixedPrecision(reduce_dtype=torch.bfloat16))
+    m(torch.randn(4, 5)).sum().backward()
+    return [(p.grad.dtype, p.grad._base is None) for p in m.parameters()]
+
+
+def test_bucketed_low_precision_gradients_do_not_hold_the_bucket(ranks):
+    """Cast back to fp32 in place, each unit's gradient stayed a view of the whole bf16 bucket
+    output, keeping it alive until zero_grad (the diff review's finding)."""
+    for grads in ranks.run(2, _bucketed_low_precision_grads_are_their_own):
+        assert grads and all(g == (torch.float32, True) for g in grads), grads
+

@@ -517,6 +517,8 @@ def _gathered_when_the_gradient_reaches_block0(rank, world_size, place, use_orig
             seen.setdefault(engine, gathered())
         model.module.probe = probe
         x = batch("mlp", rank, 0).requires_grad_(True)
+        with torch.no_grad():  # a validation pass first: its views must not be the ones reused
+            model(x)
         model(x).float().pow(2).mean().backward()
     return seen
 
@@ -540,7 +542,8 @@ def test_mixed_precision_reentrant_units_reshard_during_backward(ranks, place, u
     AccumulateGrad node, so views made anew in the pre-backward fed a node the
     post-backward hook was not on: with a reentrant checkpoint in every unit, all four
     stayed gathered and unreduced until the end of backward (ZeRO-3's memory and the
-    overlap lost; gradients equal). The first forward's views are reused, as in torch."""
+    overlap lost; gradients equal). The hooking forward's views are reused, as in torch (the
+    diff review found a no-grad pass before the step recorded its own, unhooked, views)."""
     for seen in ranks.run(2, _gathered_when_the_gradient_reaches_block0, place, use_orig_params):
         assert seen == {"torch": 1, "zeroshard": 1}, seen
 

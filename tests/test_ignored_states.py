@@ -234,3 +234,18 @@ def test_a_meta_ignored_parameter_does_not_reinitialize_the_unit(ranks):
     unit; zeroshard re-initialized a real (pretrained) model for one of them."""
     for kept, still_meta, renewed in ranks.run(2, _meta_ignored_parameter):
         assert kept and still_meta and renewed
+
+
+def _ignored_module_list(rank, world_size):
+    keys = []
+    for lib, extra in ((tfsdp, {"device_id": torch.device("cpu")}), (zs, {})):
+        m = build("mlp")
+        wrapped = lib.FullyShardedDataParallel(m, ignored_modules=m.blocks, **extra)  # a ModuleList: iterated, as torch
+        keys.append(sorted(n for n, p in wrapped.named_parameters() if "blocks" in n))
+    return keys
+
+
+def test_a_module_list_of_ignored_modules_is_iterated_as_torch(ranks):
+    """The refusal of a bare Module as ignored_modules first caught ModuleLists too (diff review)."""
+    for ref, ours in ranks.run(2, _ignored_module_list):
+        assert ref == ours and ref, (ref, ours)

@@ -257,8 +257,7 @@ class FullyShardedDataParallel(nn.Module):
     def _before_forward(self, args, kwargs):
         self._lazy_init()
         mp, h = self.mixed_precision, self._handle
-        # FSDP_USE_FULL_PREC_IN_EVAL in eval mode, or inside summon_full_params (summoned in the parameters' dtype)
-        full_precision = h is not None and (h.forced_full_precision or h.summoned_writeback is not None)
+        full_precision = h is not None and h.forced_full_precision  # FSDP_USE_FULL_PREC_IN_EVAL in eval mode
         if self._is_root:
             hooks.root_pre_forward(self)  # before the hook below: it settles which FlatParameters require grad
             if not hooks._in_backward():  # a reentrant checkpoint around the root: recomputed in its backward

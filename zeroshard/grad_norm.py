@@ -31,7 +31,6 @@ def _local_norm(params, norm_type: float, device) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(per_tensor), norm_type, dtype=torch.float32).to(device)
 
 
-@torch.no_grad()
 def _refuse_inside_summon(root) -> None:
     """Inside summon_full_params a unit's parameters (and, with_grads, gradients) are full, so a
     norm over them counts each element once per rank (torch FSDP1 refuses: not IDLE)."""
@@ -43,6 +42,7 @@ def _refuse_inside_summon(root) -> None:
                            "it after the `with summon_full_params(...)` block.")
 
 
+@torch.no_grad()
 def clip_grad_norm_(root, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
     _refuse_inside_summon(root)
     handles = root._runtime.handles

@@ -121,10 +121,8 @@ def pre_forward(state):
         return
     if handle.state == HandleState.BACKWARD_PRE:  # recomputation (checkpointing)
         return
-    if handle.summoned_writeback is not None:  # inside summon_full_params: compute with the summoned parameters
-        validation.refuse_grad_forward_inside_summon(handle)
-        return
     rt = state._runtime
+    validation.refuse_forward_inside_summon(handle)
     validation.refuse_replaced_flat_param(handle)
     handle.state = HandleState.FORWARD
     if rt.first_iter and handle.pre_forward_index is None:
@@ -132,7 +130,10 @@ def pre_forward(state):
         rt.pre_forward_order.append(handle)
     _unshard_for_compute(state, handle)
     handle.forward_version = handle.flat_param._version if handle.sharded else None  # (kept.keep_forward_edits)
+    hooked = handle.post_backward_hook is not None
     _hook_post_backward(state, handle)
+    if not hooked and handle.post_backward_hook is not None and handle.sharded:
+        handle.forward_views = handle.installed_views  # they feed the node just hooked (module_views)
     if trace._active:
         trace.span_begin("forward", handle)
     handle.needs_pre_forward_unshard = False
@@ -203,7 +204,7 @@ def _before_accumulate(state):
 @torch.compiler.disable  # runs eagerly under torch.compile (see FullyShardedDataParallel.forward)
 def post_forward(state, output):
     handle = state._handle
-    if handle is not None and (handle.state == HandleState.BACKWARD_PRE or handle.summoned_writeback is not None):
+    if handle is not None and handle.state == HandleState.BACKWARD_PRE:
         return output
     rt = state._runtime
     # A forward run from inside this model's backward (or after a no-grad root forward on inputs

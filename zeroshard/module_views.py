@@ -8,7 +8,8 @@ placeholders that raise on use instead of reading freed memory
 (``use_orig_params=True`` shows views of the shard instead: see ``orig_params``).
 
 A mixin of :class:`~zeroshard.handle.FlatParamHandle` (its ``layout``,
-``flat_param``, ``_full``, ``state``).
+``flat_param``, ``_full``, ``local_shard``, ``state``, ``forward_views`` and the
+placeholder bookkeeping).
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ class ModuleViews:
         Under mixed precision a sharded unit's backward gets its first forward's
         views back, as torch FSDP1's does (see below).
         """
-        views = self.forward_views
-        if not (self.state == HandleState.BACKWARD_PRE and views is not None and self.post_backward_hook is not None
+        views = self.forward_views  # hooks.pre_forward: those made as the post-backward hook was placed
+        if not (self.state == HandleState.BACKWARD_PRE and views and self._full.dtype != self.local_shard.dtype
                 and views[0].untyped_storage().data_ptr() == self._full.untyped_storage().data_ptr()):
             # Views made under no_grad would carry requires_grad without a grad_fn:
             # a reentrant checkpoint's recomputation (run from inside backward, in
@@ -68,13 +69,10 @@ class ModuleViews:
                 chunks = torch.split(self.flat_param, self.layout.split_sizes)
                 views = [p.unflat(chunks[2 * i + 1]) for i, p in enumerate(self.layout.params)]
             # Each change of .data's dtype (the low-precision gather, the fp32 shard) drops autograd's
-            # AccumulateGrad node, so views made now would feed a new node, not the first forward's
-            # that the post-backward hook is on: a reentrant checkpoint's recomputation would then
-            # leave every unit gathered and unreduced until the end of backward. The first forward's
-            # views, still over this same buffer, feed the hooked node.
-            if self.state == HandleState.FORWARD and self.forward_views is None and self.sharded \
-                    and self._full.dtype != self.local_shard.dtype and views:
-                self.forward_views = views
+            # AccumulateGrad node, so under mixed precision views made now would feed a new node, not
+            # the one the post-backward hook is on: a reentrant checkpoint's recomputation would then
+            # leave every unit gathered and unreduced until the end of backward. Those the hooking
+            # forward made, still over this same buffer, feed the hooked node: reused above.
         for view, info in zip(views, self.layout.params):
             _set_tensor(info.module, info.name, view, self.use_orig_params)
         for info in self.layout.shared:

@@ -101,8 +101,10 @@ def _accumulate(h, out: torch.Tensor, post: float, cast: bool = True):
         if not h.sharded:  # NO_SHARD reduced .grad in place: it must follow to the CPU too
             h.flat_param.grad.data = out
     if cast and out.dtype != h.dtype:  # reduced in low precision: back to the master dtype
-        if h.sharded:  # in place, as torch FSDP1: a comm hook's output tensor becomes the gradient
+        if h.sharded and out._base is None:  # in place, as torch FSDP1: a comm hook's output becomes the gradient
             out.data = out.data.to(h.dtype)
+        elif h.sharded:  # a view of a bucket's output: a copy of its own, not the whole bucket kept alive
+            out = out.to(h.dtype)
         elif not h.keep_low_precision_grads:  # NO_SHARD keeps the reduced dtype then
             h.flat_param.grad.data = out.to(h.dtype)
     if h.persistent:  # add the gradient set aside before this backward

@@ -180,7 +180,7 @@ def compute_device(module: nn.Module, device_id, group) -> torch.device:
 def split_ignored(ignored_modules, ignored_states, module, is_unit):
     """torch FSDP1's ``ignored_states``: modules (as ``ignored_modules``) or
     parameters (kept out of every FlatParameter: replicated, not reduced)."""
-    if isinstance(ignored_modules, nn.Module):  # iterating it would fail with "not iterable"
+    if isinstance(ignored_modules, nn.Module) and not hasattr(ignored_modules, "__iter__"):  # (a ModuleList iterates)
         raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_modules takes a list "
                          f"of modules, got one {type(ignored_modules).__name__}. Fix: ignored_modules=[module].")
     ignored_modules, ignored_params = _split_ignored(ignored_modules, ignored_states, module)
@@ -364,12 +364,16 @@ def refuse_outputs_on_the_freed_buffer(handle, outputs) -> None:
                                "inside its parent's unit.")
 
 
-def refuse_grad_forward_inside_summon(handle) -> None:
-    """Inside summon_full_params a unit's forward computes with the summoned full parameters
-    (no gather, no reshard: edits made in the block count, and stay). With grad mode its
-    gradients would land on those temporary full parameters, never reduced, and be dropped at
-    the block's exit (torch FSDP1 asserts 'Expects tensor to be unsharded' or trains wrong)."""
-    if torch.is_grad_enabled() and handle.flat_param.requires_grad:
-        raise RuntimeError(f"zeroshard: forward of unit '{handle.unit_name}' with grad mode inside its "
-                           "summon_full_params: its gradients would go to the summoned copies and be lost. Fix: "
-                           "run it under torch.no_grad() (evaluation, generation), or train after the with block.")
+def refuse_forward_inside_summon(handle) -> None:
+    """A forward of a unit summoned with writeback (or use_orig_params=False) would reshard the
+    summoned parameters: the block's edits lost and its exit failing on the freed buffer, or a
+    read of a freed view (torch FSDP1 asserts 'Expects tensor to be unsharded'). With
+    use_orig_params=True and writeback=False it gathers and frees as any forward."""
+    wb = handle.summoned_writeback
+    if wb is None or handle.always_full or (handle.use_orig_params and not wb):
+        return
+    raise RuntimeError(f"zeroshard: forward of unit '{handle.unit_name}' inside its summon_full_params("
+                       f"writeback={wb}){'' if handle.use_orig_params else ' (use_orig_params=False)'}: the forward "
+                       "would free the summoned parameters and lose the block's changes. Fix: run the forward after "
+                       "the with block (it gathers what it needs), or summon with writeback=False and "
+                       "use_orig_params=True.")
