@@ -581,3 +581,43 @@ def test_full_precision_eval_with_an_integer_root(ranks):
     # model.double() in eval: the buffer was used in fp32 beside fp64 weights, and saved in fp32
     assert ranks.run(2, _full_precision_eval_buffers, True) == \
         [[torch.float32, torch.float64, (torch.float64, torch.float64)]] * 2
+
+
+class _ScaledBlock(nn.Module):
+    def __init__(self, d: int = 6):
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, d))
+
+    def forward(self, x):
+        return x + self.lin(x) * self.scale
+
+
+def _buffer_dtype_under_checkpoint_wrapper(rank, world_size, own_unit):
+    import functools
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
+    dicts = []
+    for lib, extra in ((tfsdp, {"device_id": torch.device("cpu")}), (zs, {})):
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(5, 6), _ScaledBlock(), nn.Linear(6, 3))
+        kw = dict(auto_wrap_policy=lib.wrap.ModuleWrapPolicy({_ScaledBlock})) if own_unit else {}
+        m = lib.FullyShardedDataParallel(net, mixed_precision=lib.MixedPrecision(param_dtype=torch.bfloat16,
+                                                                                  buffer_dtype=torch.bfloat16), **kw, **extra)
+        apply_activation_checkpointing(m, checkpoint_wrapper_fn=functools.partial(checkpoint_wrapper),
+                                       check_fn=lambda mod: isinstance(mod, _ScaledBlock))
+        m(torch.randn(4, 5)).float().sum().backward()
+        dicts.append(m.state_dict())
+    ref, ours = dicts
+    assert list(ref) == list(ours)
+    for k in ref:
+        assert ref[k].dtype == ours[k].dtype and torch.equal(ref[k], ours[k]), (k, ref[k].dtype, ours[k].dtype)
+    return True
+
+
+@pytest.mark.parametrize("own_unit", [False, True])
+def test_buffer_dtype_buffers_under_a_checkpoint_wrapper_save_in_their_own_dtype(ranks, own_unit):
+    """The wrapper's hook drops '_checkpoint_wrapped_module.' from the keys, so the lookup of the
+    buffers' original dtypes missed them: saved in bf16 where torch saves fp32 (the fuzz's finding)."""
+    assert all(ranks.run(2, _buffer_dtype_under_checkpoint_wrapper, own_unit))

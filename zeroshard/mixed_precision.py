@@ -80,7 +80,9 @@ def orig_buffer_dtypes(root, units, prefix: str = "") -> dict[str, torch.dtype]:
     for path, m in root.named_modules(remove_duplicate=False):
         if id(m) in inside:
             for name, dtype in m.__dict__.get(ORIG_DTYPES, {}).items():
-                out[prefix + (path + "." if path else "") + name] = dtype
+                key = prefix + (path + "." if path else "") + name
+                # An activation-checkpointing wrapper's state-dict hook drops its prefix from the keys.
+                out[key.replace("_checkpoint_wrapped_module.", "")] = dtype
     return out
 
 
