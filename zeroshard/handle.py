@@ -116,7 +116,7 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         self.post_backward_hook = None
         self.accumulate_hooked = self.grad_accumulated = False
         self.summoned_writeback: bool | None = None  # inside summon_full_params: its writeback (full_params)
-        self.forward_views: list | None = None  # this iteration's first forward's views (use_unsharded_views)
+        self.forward_views: list | None = None  # the views made as the post-backward hook was placed (hooks.pre_forward)
         self.pre_forward_index: int | None = None
         self.post_forward_index: int | None = None
         self.saved_grad_shard: torch.Tensor | None = None

@@ -34,6 +34,7 @@ import torch
 from torch.nn.utils.rnn import PackedSequence
 
 
+CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper; its hooks drop it from keys
 ORIG_DTYPES = "_zeroshard_buffer_orig_dtypes"  # on a module: {buffer name: dtype before buffer_dtype}
 
 
@@ -82,7 +83,7 @@ def orig_buffer_dtypes(root, units, prefix: str = "") -> dict[str, torch.dtype]:
             for name, dtype in m.__dict__.get(ORIG_DTYPES, {}).items():
                 key = prefix + (path + "." if path else "") + name
                 # An activation-checkpointing wrapper's state-dict hook drops its prefix from the keys.
-                out[key.replace("_checkpoint_wrapped_module.", "")] = dtype
+                out[key.replace(CHECKPOINT_PREFIX, "")] = dtype
     return out
 
 

@@ -35,14 +35,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import comm, ext
-from .mixed_precision import orig_buffer_dtypes
+from .mixed_precision import CHECKPOINT_PREFIX, orig_buffer_dtypes
 from .options import StateDictType
 from .sharded_state import check_row_shard, device_mesh, from_row_shard, is_sharded, row_keys_differ, to_row_shard
 from .summon import summon_full_params, units_of
 
 WRAPPED_PREFIX = "_fsdp_wrapped_module."
 FLAT_PARAM = "_flat_param"
-CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."  # activation checkpointing's wrapper; its hooks drop it from keys
 # torch FSDP1's words: LOCAL and SHARDED state dicts of NO_SHARD units hold full tensors.
 NO_SHARD_WARNING = "When using ``NO_SHARD`` for ``ShardingStrategy``, full_state_dict will be returned."
 
