@@ -383,6 +383,30 @@ def _forward_inside_summon(rank, world_size, use_orig_params, writeback):
     return error, torch.equal(got, expected), round(kept)
 
 
+def _forward_inside_rank0_only_summon(rank, world_size, use_orig_params):
+    torch.manual_seed(0)
+    m = zs.FSDP(MLP(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
+    x, error = torch.randn(2, 5), None
+    with torch.no_grad():
+        expected = m(x)
+        try:
+            with zs.FSDP.summon_full_params(m, writeback=False, rank0_only=True):
+                m(x)
+        except RuntimeError as e:
+            error = str(e)
+        return error, torch.equal(m(x), expected)
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_a_forward_inside_a_rank0_only_summon_is_refused_on_every_rank(ranks, use_orig_params):
+    """Rank 0 holds the summoned parameters, the others their shards: the other ranks all-gathered
+    alone and failed after the collective timeout (torch FSDP1 hangs). Now every rank refuses at
+    the forward, and the module runs as before after the block."""
+    for error, same in ranks.run(2, _forward_inside_rank0_only_summon, use_orig_params):
+        assert error and "rank0_only=True" in error and "Fix" in error, error
+        assert same
+
+
 @pytest.mark.parametrize("use_orig_params,writeback", [(False, True), (True, True), (False, False), (True, False)])
 def test_a_forward_inside_summon_full_params(ranks, use_orig_params, writeback):
     """With writeback the forward freed the summoned buffer: the block's edits were lost and

@@ -116,6 +116,7 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         self.post_backward_hook = None
         self.accumulate_hooked = self.grad_accumulated = False
         self.summoned_writeback: bool | None = None  # inside summon_full_params: its writeback (full_params)
+        self.summoned_rank0_only = False  # inside summon_full_params(rank0_only=True), on every rank (summon)
         self.forward_views: list | None = None  # the views made as the post-backward hook was placed (hooks.pre_forward)
         self.pre_forward_index: int | None = None
         self.post_forward_index: int | None = None

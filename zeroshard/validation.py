@@ -368,7 +368,13 @@ def refuse_forward_inside_summon(handle) -> None:
     """A forward of a unit summoned with writeback (or use_orig_params=False) would reshard the
     summoned parameters: the block's edits lost and its exit failing on the freed buffer, or a
     read of a freed view (torch FSDP1 asserts 'Expects tensor to be unsharded'). With
-    use_orig_params=True and writeback=False it gathers and frees as any forward."""
+    use_orig_params=True and writeback=False it gathers and frees as any forward. Under
+    rank0_only the ranks hold different layouts (rank 0 the summoned one, the others their
+    shards): refused on every rank alike."""
+    if handle.summoned_rank0_only and not handle.always_full:
+        raise RuntimeError(f"zeroshard: forward of unit '{handle.unit_name}' inside its summon_full_params(rank0_only=True): "
+                           "only rank 0 holds the full parameters, so the other ranks would all-gather alone (a hang "
+                           "in torch FSDP1). Fix: run the forward after the with block, or summon with rank0_only=False.")
     wb = handle.summoned_writeback
     if wb is None or handle.always_full or (handle.use_orig_params and not wb):
         return
