@@ -45,9 +45,9 @@ def test_unsharded_storage_is_freed(ranks, use_orig_params):
 
 
 def _peak_units(rank, world_size, limit, max_live=2):
-    from zeroshard import hooks
+    from zeroshard import prefetch
 
-    hooks.MAX_LIVE_PREFETCH_UNITS, saved = max_live, hooks.MAX_LIVE_PREFETCH_UNITS
+    prefetch.MAX_LIVE_PREFETCH_UNITS, saved = max_live, prefetch.MAX_LIVE_PREFETCH_UNITS
     torch.manual_seed(0)
     model = zs.FSDP(
         MLP(n_blocks=6), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), limit_all_gathers=limit,
@@ -59,7 +59,7 @@ def _peak_units(rank, world_size, limit, max_live=2):
         model(torch.randn(4, 5)).sum().backward()
         peaks.append(zs.unsharded_tracker.peak_non_root_units)
     assert zs.unsharded_tracker.live_non_root == 0
-    hooks.MAX_LIVE_PREFETCH_UNITS = saved
+    prefetch.MAX_LIVE_PREFETCH_UNITS = saved
     return peaks
 
 

@@ -15,9 +15,11 @@ The package reads in lifecycle order:
   quantize    -> ZeRO++ qwZ: int8 block-quantized all-gather (Int8BlockQuant)
   hpz         -> ZeRO++ hpZ: secondary shards, backward all-gather within a group
   working_set -> which units are gathered right now (unsharded_tracker)
-  hooks       -> when each step runs in forward / backward, and prefetch
+  prefetch    -> execution order, forward / backward prefetch, limit_all_gathers (RootRuntime)
+  hooks       -> when each step runs in forward / backward
   wrap        -> which submodules become units (auto-wrap policies)
   fully_sharded -> the FullyShardedDataParallel module itself
+  state_dict_api -> its state-dict methods (state_dict, optim_state_dict, summon_full_params, ...)
   mixed_precision -> buffer and forward-input casts (param_dtype: handle; reduce_dtype: reduce)
   validation  -> checks before sharding (dtype, requires_grad, owners) and at optimizer steps
   agreement   -> ranks compared: same layout and settings per unit, same units run (DETAIL)

@@ -23,7 +23,7 @@ too), replicated for NO_SHARD, plus a transient working set in the compute dtype
 FULL_SHARD: the root unit (gathered from forward through backward) + the largest
 chain of nested units (a unit computes inside its ancestors, all gathered) + the
 largest other unit (a prefetch: limit_all_gathers, on by default, allows one while
-fewer than hooks.MAX_LIVE_PREFETCH_UNITS = 2 are gathered; without it the bound does
+fewer than prefetch.MAX_LIVE_PREFETCH_UNITS = 2 are gathered; without it the bound does
 not hold); SHARD_GRAD_OP: every unit (gathered from forward to the end of backward);
 NO_SHARD: nothing if it computes on the shard, else every unit's cast copy (autograd
 holds them until backward). FULL_SHARD's needs unit sizes: give ``--model``, or call
@@ -57,7 +57,7 @@ import torch.nn as nn
 from .bucket import unit_strategy
 from .flat_param import build_layout, collect_params
 from .fully_sharded import FullyShardedDataParallel
-from .hooks import MAX_LIVE_PREFETCH_UNITS
+from .prefetch import MAX_LIVE_PREFETCH_UNITS
 from .options import ShardingStrategy
 from .cli_args import positive_float, positive_int
 from .wrap import ModuleWrapPolicy, wrap_submodules

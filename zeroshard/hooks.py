@@ -14,8 +14,8 @@ For one unit (a FullyShardedDataParallel instance with its FlatParamHandle):
   end of backward (root only, queued on the autograd engine) wait for every
                  reduction, put the reduced shards in ``.grad``, reshard stragglers
 
-Prefetch targets come from the order units ran forward in: the unit that ran
-forward just before this one runs backward just after it.
+Which unit is prefetched, and the state all units under one root share, are
+in ``prefetch``.
 
 Activation checkpointing recomputes a forward during backward. A
 non-reentrant recomputation runs after the unit's pre-backward has gathered
@@ -33,60 +33,11 @@ from torch.autograd import Variable
 from torch.autograd.graph import register_multi_grad_hook
 
 from . import agreement, kept, reduce, trace, validation
-from .bucket import Bucketer
 from .handle import RESHARD_AFTER_FORWARD, HandleState
 from .hpz import drop_changed_secondaries
 from .mixed_precision import buffers_for_mode, cast_buffers, remember_buffer_dtypes, tensors_in
 from .options import BackwardPrefetch
-
-MAX_LIVE_PREFETCH_UNITS = 2  # limit_all_gathers: non-root units unsharded at once
-
-
-class RootRuntime:
-    """State shared by all units under one root: execution order and the
-    reductions in flight."""
-
-    def __init__(self, states):
-        self._states = [weakref.ref(s) for s in states]  # root first; weakly: a cycle would outlive `del model`
-        self.handles = [s._handle for s in states if s._handle is not None]
-        self.pre_forward_order: list = []  # from the first iteration
-        self.post_forward_order: list = []  # this iteration
-        self.first_iter = True
-        self.pending: list[reduce.PendingReduction] = []
-        self.callback_queued = False
-        self.backward_task = -1  # autograd's id of the backward that queued the callback
-        self.in_forward = False  # the root's forward is running (a nested autograd.grad may run inside it)
-        self.forward_pending = False  # the root's last forward had grad mode and no backward has run since
-        self.reentrant_forward = False  # the last root forward: no grad mode, inputs needing grad (post_forward)
-        self.recompute_checked = False  # kept.drop_unused_recompute is queued on the running backward
-        self.no_sync_forward_steps = None  # that forward ran inside no_sync: the optimizer steps then (kept.drop_stale_kept)
-        self.graph_backward = False  # the running backward has create_graph=True
-        cap = states[0].bucket_cap_mb  # the root's setting holds for the whole model
-        self.bucketer = Bucketer(cap) if cap is not None else None
-
-    states = property(lambda self: [s for s in (r() for r in self._states) if s is not None])
-
-
-# ----------------------------------------------------------------- unshard
-def _unshard_for_compute(state, handle):
-    if not handle.prefetched:
-        handle.unshard()
-    handle.wait_unshard()
-
-
-def _prefetch(state, handle, target):
-    if target is None or target.prefetched or target.unsharded:
-        return
-    if state.limit_all_gathers and _live_non_root(state._runtime) >= MAX_LIVE_PREFETCH_UNITS:
-        return  # rate limit: the unit will unshard on demand instead
-    target.unshard()
-    target.prefetched = True
-
-
-def _live_non_root(rt) -> int:
-    # Counted per model: another model's gathered units must not throttle this one.
-    return sum(h.unsharded and h.sharded and not h.is_root for h in rt.handles)
-
+from .prefetch import backward_target, prefetch, unshard_for_compute
 
 # ----------------------------------------------------------------- forward
 def root_pre_forward(state):
@@ -128,7 +79,7 @@ def pre_forward(state):
     if rt.first_iter and handle.pre_forward_index is None:
         handle.pre_forward_index = len(rt.pre_forward_order)
         rt.pre_forward_order.append(handle)
-    _unshard_for_compute(state, handle)
+    unshard_for_compute(handle)
     handle.forward_version = handle.flat_param._version if handle.sharded else None  # (kept.keep_forward_edits)
     hooked = handle.post_backward_hook is not None
     _hook_post_backward(state, handle)
@@ -140,7 +91,7 @@ def pre_forward(state):
     if state.forward_prefetch and not rt.first_iter and handle.pre_forward_index is not None:
         nxt = handle.pre_forward_index + 1
         if nxt < len(rt.pre_forward_order) and rt.pre_forward_order[nxt].needs_pre_forward_unshard:
-            _prefetch(state, handle, rt.pre_forward_order[nxt])
+            prefetch(state, rt.pre_forward_order[nxt])
 
 
 def _hook_post_backward(state, handle, node=None):
@@ -325,22 +276,14 @@ def pre_backward(state):
         handle.needs_pre_backward_unshard = True
     handle.refuse_replaced_full_views()  # kept gathered since its forward: changed meanwhile?
     if handle.needs_pre_backward_unshard:
-        _unshard_for_compute(state, handle)
+        unshard_for_compute(handle)
     if trace._active:
         trace.span_begin("backward", handle)
     handle.needs_pre_backward_unshard = False
     if state.backward_prefetch == BackwardPrefetch.BACKWARD_PRE:
-        _prefetch(state, handle, _backward_target(rt, handle))
+        prefetch(state, backward_target(rt, handle))
     handle.prepare_gradient_for_backward()
     handle.ran_pre_backward = True
-
-
-def _backward_target(rt, handle):
-    i = handle.post_forward_index
-    if i is None or i == 0:
-        return None
-    target = rt.post_forward_order[i - 1]
-    return target if target.needs_pre_backward_unshard else None
 
 
 def _free_in_backward(state, handle) -> bool:
@@ -372,7 +315,7 @@ def post_backward(state, flat_param, through_graph=False):
             free = False
     handle.reshard(free)
     if state.backward_prefetch == BackwardPrefetch.BACKWARD_POST:
-        _prefetch(state, handle, _backward_target(state._runtime, handle))
+        prefetch(state, backward_target(state._runtime, handle))
     validation.note_unreduced(handle, (handle.sharded or handle.world_size > 1) and not state._sync_gradients)
     if not state._sync_gradients:
         if handle.use_orig_params:
