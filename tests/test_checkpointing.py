@@ -585,3 +585,65 @@ def test_a_retained_graph_under_no_shard_reduces_both_backwards(ranks, reentrant
     replicas drifted apart (avg + local instead of 2 avg). torch FSDP1 is off too here
     (0.24 from 2 avg); zeroshard now equals two backwards on the same batch."""
     assert all(ranks.run(2, _retained_graph_under_no_shard, reentrant))
+
+
+class _InnerMLP(nn.Module):
+    """One NO_SHARD unit (no auto-wrap) whose middle block a reentrant checkpoint wraps."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.block, self.out = nn.Linear(7, 7), _PlainBlock(), nn.Linear(7, 4)
+
+    def forward(self, x):
+        return self.out(self.block(self.inp(x)))
+
+
+class _PlainBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(7, 15), nn.Linear(15, 7)
+
+    def forward(self, x):
+        return x + self.l2(torch.relu(self.l1(x)))
+
+
+def _part_of_a_no_shard_unit_reentrant_under_mp(rank, world_size, dtype, no_sync):
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    base, grads, counts = _InnerMLP(), {}, {}
+    real_all_reduce = dist.all_reduce
+    for engine, lib, extra in (("torch", tfsdp, {"device_id": torch.device("cpu")}), ("zeroshard", zs, {})):
+        m = lib.FullyShardedDataParallel(copy.deepcopy(base), sharding_strategy=lib.ShardingStrategy.NO_SHARD,
+                                         mixed_precision=lib.MixedPrecision(param_dtype=dtype), **extra)
+        apply_activation_checkpointing(m, check_fn=lambda mod: isinstance(mod, _PlainBlock), checkpoint_wrapper_fn=functools.partial(
+            checkpoint_wrapper, checkpoint_impl=CheckpointImpl.REENTRANT))
+        n = [0]
+
+        def counting(t, *args, **kwargs):
+            n[0] += t.numel() > 10  # the gradient's, not a flag's
+            return real_all_reduce(t, *args, **kwargs)
+
+        dist.all_reduce = counting
+        try:
+            for micro in range(2 if no_sync else 1):
+                x = torch.randn(4, 7, generator=torch.Generator().manual_seed(1000 * micro + rank))
+                with m.no_sync() if no_sync and micro == 0 else contextlib.nullcontext():
+                    m(x).float().pow(2).mean().backward()
+        finally:
+            dist.all_reduce = real_all_reduce
+        grads[engine], counts[engine] = next(m.parameters()).grad.clone(), n[0]
+    return counts, torch.equal(grads["torch"], grads["zeroshard"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("no_sync", [False, True])
+def test_a_reentrant_region_in_a_no_shard_unit_under_mixed_precision_reduces_as_torch(ranks, dtype, no_sync):
+    """torch FSDP1 reduces the unit twice (when the region's inner backward reaches the
+    FlatParameter, and again in the outer backward): it re-casts the low-precision copy
+    into one buffer, so the recomputation's views feed the hooked AccumulateGrad node.
+    zeroshard re-cast into a new tensor, its views fed a new node: one all-reduce, so the
+    same sum rounded differently (fp16 5.96e-08 off, 2.4e-4 after no_sync on 4 ranks).
+    Now the backward re-casts into the forward's buffer: two all-reduces, bit-identical."""
+    for counts, same in ranks.run(4, _part_of_a_no_shard_unit_reentrant_under_mp, dtype, no_sync):
+        assert counts == {"torch": 2, "zeroshard": 2} and same, counts

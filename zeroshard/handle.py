@@ -167,6 +167,7 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         # NO_SHARD in the shard's dtype computes on the shard itself: nothing to gather.
         self.always_full = not self.sharded and self.compute_dtype == self.dtype and self.local_shard.device == self.device
         self._full: torch.Tensor | None = self.local_shard if self.always_full else None
+        self._recast_into: torch.Tensor | None = None  # NO_SHARD: the forward's compute copy (see _recast)
         self.unsharded = self.always_full
 
     @property
@@ -247,7 +248,7 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         self.ran_pre_backward = self.needs_pre_backward_unshard = self.prefetched = False
         self.post_backward_called = self.grad_accumulated = False
         self._grads_at_backward = self._outside = None  # (see absorb_outside_grads) held no longer than one backward
-        self.forward_views = None
+        self.forward_views = self._recast_into = None
         if self.post_backward_hook is not None:
             # The AccumulateGrad node stays alive (as torch FSDP1 keeps it): dropped, an op on the
             # sharded FlatParameter between steps (parameters_to_vector) would make a new one shaped
@@ -271,9 +272,9 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
             self.reshard(free=True)  # gathered in the other precision (compute vs. summon / eval in full precision)
         if self.unsharded:
             return
-        # Casting the shard before the all-gather halves its bytes under bf16/fp16.
-        src = self.local_shard.to(self.device, dtype)  # no copy unless offloaded or cast
         if self.sharded:
+            # Casting the shard before the all-gather halves its bytes under bf16/fp16.
+            src = self.local_shard.to(self.device, dtype)  # no copy unless offloaded or cast
             self._full = self._full_buffer(dtype)
             self._full.untyped_storage().resize_(self._full.numel() * self._full.element_size())
             what = f"unshard ({step}) of unit '{self.unit_name}'"
@@ -284,11 +285,22 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
             else:
                 self._gather_work = comm.all_gather(self._full, src, self.group, what=what)
         else:
-            self._full = src
+            self._full = self._recast(dtype)
         self.unsharded = True
         unsharded_tracker.add(self)
         if trace._active:
             trace.unsharded(self, unsharded_tracker.live_bytes, gathered=self.sharded)
+
+    def _recast(self, dtype: torch.dtype) -> torch.Tensor:
+        """NO_SHARD's compute copy of the shard (the shard itself without a cast or device move).
+        The backward's copy goes into the forward's buffer, as torch FSDP1 re-casts into one
+        persistent buffer: the forward's views, over it, then still feed the AccumulateGrad node
+        the post-backward hook is on, and a reentrant checkpoint's recomputation reuses them
+        (module_views): its backward reduces the unit, as torch's does."""
+        into, self._recast_into = self._recast_into, None
+        if into is not None and into.dtype == dtype and into.device == self.device:
+            return into.copy_(self.local_shard)
+        return self.local_shard.to(self.device, dtype)
 
     def wait_unshard(self, full_precision: bool = False):
         """Finish the all-gather and point the parameters at the full tensors."""
@@ -323,6 +335,8 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
                 self._gather_work = None
             if self.sharded:
                 self._full.untyped_storage().resize_(0)
+            elif self._full is not self.local_shard and self.state == HandleState.FORWARD and torch.is_grad_enabled():
+                self._recast_into = self._full  # a copy autograd holds until the backward anyway (_recast)
             self._full = None
             self.unsharded = self.graph_kept = False
             self.kept_version = None

@@ -83,7 +83,7 @@ def pre_forward(state):
     handle.forward_version = handle.flat_param._version if handle.sharded else None  # (kept.keep_forward_edits)
     hooked = handle.post_backward_hook is not None
     _hook_post_backward(state, handle)
-    if not hooked and handle.post_backward_hook is not None and handle.sharded:
+    if not hooked and handle.post_backward_hook is not None:
         handle.forward_views = handle.installed_views  # they feed the node just hooked (module_views)
     if trace._active:
         trace.span_begin("forward", handle)
