@@ -147,6 +147,21 @@ def test_overlapping_spans_get_their_own_lane():
     assert xs["forward r"] == xs["forward c"], "nested spans share their track"
 
 
+def test_a_model_with_hundreds_of_reductions_in_flight_exports_each_on_its_own_track():
+    """All reduce-scatters finish at the end of backward, so each one in flight takes a lane of
+    its own: from the 101st, tid 100·track + lane ran past the last track (IndexError in
+    to_chrome_trace, plot and demo --trace), and the 100th compute lane was drawn as all_gather."""
+    spans = [trace.Span("reduce_scatter", f"u{i}", i, 1000 + i) for i in range(150)]
+    spans += [trace.Span("forward", f"f{i}", i, 2000 + i) for i in range(120)]
+    events = trace.Timeline(spans=spans).to_chrome_events()
+    names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    tids = {e["name"]: e["tid"] for e in events if e["ph"] == "X"}
+    assert len(set(tids.values())) == 270
+    assert all(names[tids[f"reduce_scatter u{i}"]].startswith("reduce_scatter") for i in range(150))
+    assert all(names[tids[f"forward f{i}"]].startswith("compute") for i in range(120))
+    assert names[tids["forward f119"]] == "compute #120"
+
+
 def _untraced_step(rank, world_size):
     def boom(*a, **k):
         raise AssertionError("a trace function ran with no recorder active")

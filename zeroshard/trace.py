@@ -21,7 +21,10 @@ with the same names get " #2", and so on):
 * ``reduce_scatter`` spans (track "reduce_scatter"; ``all_reduce`` for
   NO_SHARD): from issue in ``reduce.start_reduction`` to completion in
   ``PendingReduction.finish``; hybrid sharding adds an ``all_reduce`` span
-  on the same track for the replica all-reduce that follows.
+  on the same track for the replica all-reduce that follows. With
+  ``bucket_cap_mb`` each unit in a bucket has a span from the bucket's launch.
+  Reductions all finish at the end of backward, so each one in flight gets a
+  lane (a tid) of its own.
 * ``reshard`` instants (track "compute") with the bytes freed, and a counter
   of live unsharded bytes sampled at every unshard and reshard.
 
@@ -44,6 +47,7 @@ TRACKS = ("compute", "all_gather", "reduce_scatter")
 _TRACK_OF = {"forward": "compute", "backward": "compute", "wait": "compute", "reshard": "compute",
              "all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "reduce_scatter"}
 COUNTER = "live unsharded bytes"
+LANES = 1_000_000  # tids per track: tid = LANES·track + lane (one lane per reduction in flight: units can be many)
 
 
 @dataclass
@@ -91,7 +95,7 @@ class Timeline:
         for span, tid, _depth in _layout(self.spans):
             if tid not in named:
                 named.add(tid)
-                track, lane = TRACKS[tid // 100], tid % 100
+                track, lane = TRACKS[tid // LANES], tid % LANES
                 label = track if lane == 0 else f"{track} #{lane + 1}"
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}})
                 events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
@@ -100,7 +104,7 @@ class Timeline:
                            "args": {"unit": span.unit, **span.args}})
         for kind, unit, t, args in self.instants:
             events.append({"ph": "i", "s": "t", "name": f"{kind} {unit}", "cat": kind, "pid": pid,
-                           "tid": TRACKS.index(_TRACK_OF.get(kind, "compute")) * 100, "ts": t / 1e3,
+                           "tid": TRACKS.index(_TRACK_OF.get(kind, "compute")) * LANES, "ts": t / 1e3,
                            "args": {"unit": unit, **args}})
         for t, live in self.counters:
             events.append({"ph": "C", "name": COUNTER, "cat": "memory", "pid": pid, "tid": 0, "ts": t / 1e3,
@@ -233,7 +237,7 @@ def resharded(unit, freed_bytes: int, live_bytes: int):
 def _layout(spans):
     """Yield (span, tid, depth): spans of one track share a tid while they
     nest properly (Chrome-trace requires it); a span that overlaps another
-    without nesting goes to the next lane of its track (tid = 100·track + lane)."""
+    without nesting goes to the next lane of its track (tid = LANES·track + lane)."""
     out = []
     for ti, track in enumerate(TRACKS):
         lanes: list[list[int]] = []  # per lane, the stack of open end times
@@ -246,7 +250,7 @@ def _layout(spans):
             else:
                 lanes.append([])
                 li, stack = len(lanes) - 1, lanes[-1]
-            out.append((s, 100 * ti + li, len(stack)))
+            out.append((s, LANES * ti + li, len(stack)))
             stack.append(s.end_ns)
     return out
 
