@@ -130,12 +130,20 @@ def test_estimate_model_without_policy_and_shared_params():
 
 
 # -------------------------------------------------- (3) measured model states
-def _measured_bytes(rank, world_size, strategy, param_dtype, persistence=None):
+def _mlp(setup: str | None) -> MLP:
     torch.manual_seed(0)
+    m = MLP(n_blocks=4)
+    if setup == "frozen":  # fine-tuning: two blocks frozen
+        m.blocks[0].requires_grad_(False), m.blocks[1].requires_grad_(False)
+    return m
+
+
+def _measured_bytes(rank, world_size, strategy, param_dtype, persistence=None, setup=None):
     mp = zs.MixedPrecision(param_dtype=param_dtype) if param_dtype is not None else None
-    model = zs.FSDP(MLP(n_blocks=4), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
+    plain = _mlp(setup)
+    model = zs.FSDP(plain, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
                     sharding_strategy=getattr(zs.ShardingStrategy, strategy), mixed_precision=mp,
-                    param_persistence_threshold=persistence)
+                    param_persistence_threshold=persistence, ignored_modules=[plain.out] if setup == "ignored" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     zs.unsharded_tracker.reset_peaks()
     with zs.comm_stats() as stats:
@@ -156,29 +164,35 @@ def _measured_bytes(rank, world_size, strategy, param_dtype, persistence=None):
             else:
                 o_bytes += nbytes(v)
     sent = {k: v for k, v in stats.bytes.items() if v}
-    return p_bytes, g_bytes, o_bytes, step_bytes, len(params), zs.unsharded_tracker.peak_bytes, sent
+    return p_bytes, g_bytes, o_bytes, step_bytes, len(opt.state), zs.unsharded_tracker.peak_bytes, sent
 
 
 @pytest.mark.parametrize(
-    "strategy,param_dtype,persistence",
-    [("FULL_SHARD", None, None), ("FULL_SHARD", torch.bfloat16, None), ("SHARD_GRAD_OP", None, None),
-     ("NO_SHARD", None, None), ("FULL_SHARD", None, 100), ("SHARD_GRAD_OP", torch.bfloat16, 100)],
+    "strategy,param_dtype,persistence,setup",
+    [("FULL_SHARD", None, None, None), ("FULL_SHARD", torch.bfloat16, None, None), ("SHARD_GRAD_OP", None, None, None),
+     ("NO_SHARD", None, None, None), ("FULL_SHARD", None, 100, None), ("SHARD_GRAD_OP", torch.bfloat16, 100, None),
+     ("FULL_SHARD", None, None, "frozen"), ("NO_SHARD", None, None, "frozen"), ("FULL_SHARD", None, None, "ignored")],
 )
-def test_measured_model_states_match_estimate(ranks, strategy, param_dtype, persistence):
-    torch.manual_seed(0)
-    est = estimate_model(MLP(n_blocks=4), 2, zs.wrap.ModuleWrapPolicy({Block}), strategy, param_dtype,
-                         param_persistence_threshold=persistence)
+def test_measured_model_states_match_estimate(ranks, strategy, param_dtype, persistence, setup):
+    """Also frozen units, whose gradients nothing reduces (comm_volume counted them: up to 2x
+    the bytes measured), and an ignored module, whole on every rank with its gradient and
+    optimizer state (the estimate left it out)."""
+    plain = _mlp(setup)
+    est = estimate_model(plain, 2, zs.wrap.ModuleWrapPolicy({Block}), strategy, param_dtype,
+                         param_persistence_threshold=persistence, ignored_modules=[plain.out] if setup == "ignored" else None)
+    if setup == "ignored":
+        assert est.psi == sum(p.numel() for p in plain.parameters())
     if persistence:  # else this case shows nothing: some units persistent, some sharded
         assert {u.sharded for u in est.units} == {True, False}
     volume = {k.split()[-1]: 0.0 for k in comm_volume(est)}
     for k, (b, _) in comm_volume(est).items():
         volume[k.split()[-1]] += b
     for p_bytes, g_bytes, o_bytes, step_bytes, n_params, peak, sent in ranks.run(
-            2, _measured_bytes, strategy, param_dtype, persistence):
+            2, _measured_bytes, strategy, param_dtype, persistence, setup):
         assert sent == pytest.approx(volume, rel=1e-12, abs=0), (sent, volume)
         assert (p_bytes, g_bytes, o_bytes) == (est.param_bytes, est.grad_bytes, est.optim_bytes)
         assert p_bytes + g_bytes + o_bytes == est.sharded_bytes
-        assert step_bytes == 4 * n_params  # one float32 scalar per parameter, left out of the estimate
+        assert step_bytes == 4 * n_params  # one float32 scalar per trained parameter, left out of the estimate
         # The gathered working set: root + the 2 largest other units (FULL_SHARD), all (ZeRO-2), none (NO_SHARD fp32).
         assert peak == est.working_set_bytes
 
@@ -265,6 +279,51 @@ def test_cli_hpz_tradeoff():
                "--strategy", "FULL_SHARD", "--mixed-precision", "none", "--hpz-group-size", "2")
     assert f"| hpZ | {est.secondary_bytes:,} " in out and est.secondary_bytes > 0
     assert est.gpu_bytes == est.sharded_bytes + est.working_set_bytes + est.secondary_bytes
+
+
+def test_cli_hpz_table_and_offload_rows_follow_the_model_flags():
+    """The hpZ table ignored --param-persistence-threshold (612 B of secondary shards for units
+    the engine keeps whole, with no backward all-gather at all), and --params printed a NO_SHARD
+    working set of 0 with --offload where --model (and the engine) copy every unit to the GPU."""
+    args = ["--model", "models:MLP", "--wrap-class", "Block", "--world-size", "4", "--strategy", "FULL_SHARD",
+            "--hpz-group-size", "2"]
+    assert "| hpZ | 0 (0.00 GiB) | 0 (0.00 GiB) |" not in _cli(*args)
+    assert "| hpZ | 0 (0.00 GiB) | 0 (0.00 GiB) |" in _cli(*args, "--param-persistence-threshold", "300")
+    psi = sum(p.numel() for p in MLP().parameters())
+    rows = []
+    for given in (["--params", str(psi)], ["--model", "models:MLP", "--wrap-class", "Block"]):
+        out = _cli(*given, "--world-size", "2", "--strategy", "NO_SHARD", "--mixed-precision", "none", "--offload")
+        rows.append([line.split(" | ")[8] for line in out.splitlines() if "zeroshard FSDP1-style" in line][0])
+    assert rows[0] == rows[1] == f"{4 * psi:,} ({4 * psi / 2**30:.2f} GiB)", rows
+
+
+def test_the_python_api_refuses_what_the_cli_refuses():
+    """The CLIs checked their flags, the functions did not: ZeroDivisionError for a world size
+    of 0, KeyError for an unknown name, and negative sizes or an efficiency of 5 computed."""
+    from zeroshard import simulate
+    from zeroshard.estimate import hpz_tradeoff
+
+    gpt = simulate.gpt("g", 2, 128, 1000)
+    calls = [
+        (model_states, (7e9, 0, "FULL_SHARD"), "world_size"), (model_states, (-1.0, 8, "FULL_SHARD"), "psi"),
+        (model_states, (7e9, 8, "ZERO3"), "strategy"), (model_states, (7e9, 8, "FULL_SHARD", "int8"), "mixed_precision"),
+        (estimate_model, (MLP(), 0), "world_size"), (estimate_model, (MLP(), -2), "world_size"),
+        (lambda: estimate_model(MLP(), 4, hpz_group_size=3), (), "hpz_group_size"),
+        (hpz_tradeoff, (7e9, 64, 0), "k"), (hpz_tradeoff, (7e9, 64, 7), "k"),
+        (simulate.simulate, (gpt, 0, "a100-400g", 2, 1024), "gpus"), (simulate.simulate, (gpt, -8, "a100-400g", 2, 1024), "gpus"),
+        (simulate.simulate, (gpt, 8, "tpu", 2, 1024), "hardware"),
+        (lambda: simulate.simulate(gpt, 8, "a100-400g", 2, 1024, efficiency=5), (), "efficiency"),
+        (lambda: simulate.simulate(gpt, 8, "a100-400g", 2, 1024, ac=2.0), (), "ac"),
+        (lambda: simulate.simulate(gpt, 8, "a100-400g", 2, 1024, strategy="NO_SHARD", shard_group=4), (), "shard_group"),
+        (lambda: simulate.simulate(gpt, 8, "a100-400g", 2, 1024, shard_group=16), (), "shard_group"),
+    ]
+    for fn, args, name in calls:
+        with pytest.raises(ValueError, match=name):
+            fn(*args)
+    frozen = MLP()
+    frozen.blocks[0].l1.requires_grad_(False)  # a unit mixing frozen and trainable: the engine refuses it
+    with pytest.raises(ValueError, match="use_orig_params"):
+        estimate_model(frozen, 2, zs.wrap.ModuleWrapPolicy({Block}))
 
 
 def test_cli_refuses_what_it_cannot_estimate(capsys):

@@ -44,3 +44,22 @@ def check_output_path(parser: argparse.ArgumentParser, option: str, path: str | 
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         parser.error(f"{option} {path}: {parent} is not a writable directory")
+
+
+def check_count(where: str, name: str, value, low: int = 1) -> None:
+    """The Python API's check of an integer count (a world size, a group, tokens): ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{where}: {name} must be an integer >= {low}, got {value!r}")
+
+
+def check_fraction(where: str, name: str, value, low_open: bool) -> None:
+    """A number in [0, 1] ((0, 1] with ``low_open``): ValueError naming it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (0 < value if low_open else 0 <= value) and value <= 1
+    if not ok:
+        raise ValueError(f"{where}: {name} must be in {'(0' if low_open else '[0'}, 1], got {value!r}")
+
+
+def check_choice(where: str, name: str, value, choices) -> None:
+    """One of ``choices``: ValueError naming them."""
+    if value not in choices:
+        raise ValueError(f"{where}: {name} must be one of {', '.join(map(str, choices))}; got {value!r}")

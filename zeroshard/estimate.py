@@ -49,6 +49,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import inspect
+import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -56,10 +58,11 @@ import torch.nn as nn
 
 from .bucket import unit_strategy
 from .flat_param import build_layout, collect_params
+from .validation import check_uniform
 from .fully_sharded import FullyShardedDataParallel
 from .prefetch import MAX_LIVE_PREFETCH_UNITS
 from .options import ShardingStrategy
-from .cli_args import positive_float, positive_int
+from .cli_args import check_choice, check_count, positive_float, positive_int
 from .wrap import ModuleWrapPolicy, wrap_submodules
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "ZERO1", "NO_SHARD")
@@ -93,9 +96,22 @@ def bytes_per_param(mixed_precision: str, accounting: str = "paper") -> tuple[in
     return 4, 4, 8  # fp32 param + grad; Adam's two moments (the param is its own master)
 
 
+def _check_psi(where: str, psi) -> None:
+    if isinstance(psi, bool) or not isinstance(psi, (int, float)) or not math.isfinite(psi) or psi <= 0:
+        raise ValueError(f"{where}: psi (the parameter count) must be a finite number > 0, got {psi!r}")
+
+
 def model_states(psi: float, world_size: int, strategy: str, mixed_precision: str = "bf16",
-                 accounting: str = "paper") -> ModelStates:
-    """Per-rank model-state bytes of a ``psi``-parameter model on ``world_size`` ranks."""
+                 accounting: str = "paper", offload: bool = False) -> ModelStates:
+    """Per-rank model-state bytes of a ``psi``-parameter model on ``world_size`` ranks. With
+    ``offload`` the shards live on CPU, so even a NO_SHARD unit computing in their dtype copies
+    them to the GPU: its working set is then counted."""
+    where = "zeroshard.estimate.model_states"
+    _check_psi(where, psi)
+    check_count(where, "world_size", world_size)
+    check_choice(where, "strategy", strategy, STRATEGIES)
+    check_choice(where, "mixed_precision", mixed_precision, tuple(DTYPES))
+    check_choice(where, "accounting", accounting, ("paper", "zeroshard"))
     p, g, k = bytes_per_param(mixed_precision, accounting)
     if accounting != "paper" and strategy == "ZERO1":
         raise ValueError("zeroshard has no ZeRO-1 strategy; use accounting='paper' for ZERO1")
@@ -106,7 +122,7 @@ def model_states(psi: float, world_size: int, strategy: str, mixed_precision: st
     ws = None
     if accounting == "zeroshard" and strategy != "FULL_SHARD":
         c = DTYPES[mixed_precision].itemsize if DTYPES[mixed_precision] else 4
-        ws = 0 if strategy == "NO_SHARD" and c == p else c * psi
+        ws = 0 if strategy == "NO_SHARD" and c == p and not offload else c * psi
     label = "ZeRO paper" if accounting == "paper" else "zeroshard FSDP1-style"
     return ModelStates(strategy, label, parts[0], parts[1], parts[2], formula, ws)
 
@@ -126,7 +142,7 @@ class ModelEstimate:
     units: list[UnitEstimate]
     strategy: str
     world_size: int
-    psi: int  # unique parameters in the units
+    psi: int  # unique parameters: the units', and ignored modules' (whole on every rank)
     param_bytes: int  # per rank, master dtype: the (sharded) FlatParameters
     grad_bytes: int  # their gradients
     optim_bytes: int  # Adam's exp_avg + exp_avg_sq
@@ -159,8 +175,15 @@ def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, str
     that is an upper bound, since the optimizer's views exclude alignment padding.
     """
     strategy = strategy.name if isinstance(strategy, ShardingStrategy) else strategy
-    if strategy not in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
-        raise ValueError(f"estimate_model supports FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, not {strategy}")
+    where = "zeroshard.estimate.estimate_model"
+    check_choice(where, "strategy", strategy, ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"))
+    check_count(where, "world_size", world_size)
+    if hpz_group_size is not None:
+        check_count(where, "hpz_group_size", hpz_group_size)
+        if world_size % hpz_group_size:  # as the engine refuses it
+            raise ValueError(f"{where}: hpz_group_size {hpz_group_size} must divide world_size {world_size}")
+    if param_persistence_threshold is not None:
+        check_count(where, "param_persistence_threshold", param_persistence_threshold, low=0)
     if world_size == 1:
         strategy = "NO_SHARD"  # the engine switches too: nothing to shard over
     ignored = {m for root in (ignored_modules or ()) for m in root.modules()}
@@ -183,6 +206,10 @@ def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, str
     gathered, state = [], [0, 0, 0]  # (is_root, bytes, casts) per unit; param/grad/optim bytes
     for m in sorted(unit_set, key=order.__getitem__):  # fsdp_modules() (pre-order) order
         entries, aliases = collect_params(m, skip=unit_set | ignored)
+        if entries:  # what the engine refuses at construction (mixed requires_grad without use_orig_params, dtypes)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                check_uniform(entries, use_orig_params, names[m] or type(m).__name__)
         for _, _, fqn, p in entries:
             if p in owner:  # the engine refuses a parameter owned by two units
                 raise ValueError(f"parameter '{fqn}' is shared by units '{owner[p]}' and '{names[m]}'")
@@ -212,10 +239,15 @@ def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, str
             [(name, b) for is_root, b, whole, name in gathered if not is_root and not whole])
     else:  # SHARD_GRAD_OP keeps every unit gathered to backward; NO_SHARD's copies (if any) live as long
         working = sum(b for _, b, _, _ in gathered)
+    # Ignored modules' parameters stay whole on every rank, with their gradients and optimizer state.
+    loose = {p for m in ignored for p in m.parameters(recurse=False) if p not in owner}
+    for p in loose:
+        held = p.numel() * p.element_size()
+        state = [state[0] + held, state[1] + held * p.requires_grad, state[2] + 2 * held * p.requires_grad]
     itemsize = (param_dtype or next((p.dtype for p in owner), torch.float32)).itemsize
     hpz = hpz_group_size if strategy == "FULL_SHARD" and hpz_group_size else None
     secondary = sum(u.padded_numel // hpz * itemsize for u in units[1:] if u.sharded) if hpz else 0
-    return ModelEstimate(units, strategy, world_size, sum(p.numel() for p in owner), *state, working, offload,
+    return ModelEstimate(units, strategy, world_size, sum(p.numel() for p in (*owner, *loose)), *state, working, offload,
                          itemsize, hpz, secondary)
 
 
@@ -240,14 +272,16 @@ def comm_volume(est: ModelEstimate) -> dict:
     FULL_SHARD gathers every unit in forward and all but the root in backward
     (over the hpZ group when ``est.hpz_group_size`` is set); gradients are
     reduce-scattered in the compute dtype (MixedPrecision's default
-    reduce_dtype). The same ring accounting as ``zeroshard.comm_stats()``.
+    reduce_dtype); a unit with nothing to train reduces nothing. The same ring
+    accounting as ``zeroshard.comm_stats()``.
     """
     n, c = est.world_size, est.compute_itemsize
-    whole = sum(u.numel for u in est.units if not u.sharded) * c
+    whole = sum(u.numel for u in est.units if not u.sharded and u.trainable) * c
     if est.strategy == "NO_SHARD":
         return {"all_reduce": (2 * _ring(whole, n), n)}
     padded = [u.padded_numel * c if u.sharded else 0 for u in est.units]
-    out = {"forward all_gather": (_ring(sum(padded), n), n), "reduce_scatter": (_ring(sum(padded), n), n)}
+    reduced = sum(b for b, u in zip(padded, est.units) if u.trainable)
+    out = {"forward all_gather": (_ring(sum(padded), n), n), "reduce_scatter": (_ring(reduced, n), n)}
     if est.strategy == "FULL_SHARD":
         g = est.hpz_group_size or n
         out["backward all_gather"] = (_ring(sum(padded[1:]), g), g)
@@ -260,6 +294,12 @@ def hpz_tradeoff(psi: float, world_size: int, k: int, itemsize: int = 2, psi_roo
     """ZeRO++ hpZ in closed form for Ψ gathered elements (Ψ_root of them in the
     root unit, which backward does not re-gather): extra memory per rank and
     the backward all-gather's bytes per rank, without and with hpZ."""
+    where = "zeroshard.estimate.hpz_tradeoff"
+    _check_psi(where, psi)
+    check_count(where, "world_size", world_size)
+    check_count(where, "k", k)
+    if world_size % k:
+        raise ValueError(f"{where}: k = {k} must divide world_size {world_size} (hpZ's groups partition the ranks)")
     rest = (psi - psi_root) * itemsize
     return {"secondary_bytes": rest / k,
             "backward_bytes_zero3": _ring(rest, world_size), "backward_bytes_hpz": _ring(rest, k),
@@ -295,8 +335,9 @@ def _hpz_table(a, psi, model, policy) -> str:
     dtype = DTYPES[a.mixed_precision]
     c = dtype.itemsize if dtype else 4
     if model is not None:
-        est = estimate_model(model, n, policy, "FULL_SHARD", dtype, hpz_group_size=k)
-        plain = comm_volume(estimate_model(model, n, policy, "FULL_SHARD", dtype))["backward all_gather"][0]
+        kw = dict(offload=a.offload, param_persistence_threshold=a.param_persistence_threshold)
+        est = estimate_model(model, n, policy, "FULL_SHARD", dtype, hpz_group_size=k, **kw)
+        plain = comm_volume(estimate_model(model, n, policy, "FULL_SHARD", dtype, **kw))["backward all_gather"][0]
         extra, hpz = est.secondary_bytes, comm_volume(est)["backward all_gather"][0]
     else:
         t = hpz_tradeoff(psi, n, k, c)
@@ -367,7 +408,7 @@ def main(argv=None) -> str:
         rows.append(model_states(psi, a.world_size, s, a.mixed_precision, "paper"))
         if s == "ZERO1":
             continue  # zeroshard has no ZeRO-1 strategy: paper row only
-        r = model_states(psi, a.world_size, s, a.mixed_precision, "zeroshard")
+        r = model_states(psi, a.world_size, s, a.mixed_precision, "zeroshard", a.offload)
         if s in model_est:  # exact per-rank bytes from the real layouts (padding included)
             e = model_est[s]
             r = ModelStates(s, r.accounting + " (model layout)", e.param_bytes, e.grad_bytes, e.optim_bytes,

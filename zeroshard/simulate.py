@@ -50,7 +50,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from .cli_args import positive_float, positive_int
+from .cli_args import check_choice, check_count, check_fraction, positive_float, positive_int
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -187,9 +187,22 @@ def simulate(model: Model, gpus: int, hardware: str | Hardware, micro_batch: int
              shard_group: int | None = None, efficiency: float | None = None) -> Result:
     """One training step of ``model`` on ``gpus`` GPUs, ``micro_batch`` sequences of ``seq``
     tokens per GPU. ``shard_group=k`` with FULL_SHARD is HYBRID_SHARD (shard over k, replicate)."""
+    where = "zeroshard.simulate.simulate"
+    for name, value in (("gpus", gpus), ("micro_batch", micro_batch), ("seq", seq)):
+        check_count(where, name, value)
+    if isinstance(hardware, str):
+        check_choice(where, "hardware", hardware, tuple(HARDWARE))
+    check_choice(where, "dtype", dtype, tuple(DTYPE_BYTES))
+    check_choice(where, "strategy", strategy, STRATEGIES)
+    check_fraction(where, "ac", ac, low_open=False)
+    if efficiency is not None:
+        check_fraction(where, "efficiency", efficiency, low_open=True)
+    if shard_group is not None:  # ignored (NO_SHARD) or clamped (> gpus) before: a different setup than asked for
+        check_count(where, "shard_group", shard_group)
+        if strategy == "NO_SHARD" or shard_group > gpus:
+            raise ValueError(f"{where}: shard_group={shard_group} shards within groups of a sharded strategy's "
+                             f"{gpus} GPUs (HYBRID_SHARD); with {strategy} drop it, or give one that divides gpus")
     hw = HARDWARE[hardware] if isinstance(hardware, str) else hardware
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {STRATEGIES}, not {strategy}")
     c = DTYPE_BYTES[dtype]
     peak = hw.tf32_tflops if dtype == "fp32" else hw.peak_tflops
     rate = peak * 1e12 * (hw.efficiency if efficiency is None else efficiency)
