@@ -365,36 +365,23 @@ def test_full_prec_in_eval_set_on_one_rank_is_named(ranks):
         assert msg and "FSDP_USE_FULL_PREC_IN_EVAL" in msg and "different layout" in msg, msg
 
 
-def _forward_inside_summon(rank, world_size, use_orig_params, writeback):
+def _forward_inside_summon(rank, world_size, use_orig_params, writeback, rank0_only=False):
     torch.manual_seed(0)
     m = zs.FSDP(MLP(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
     x, error = torch.randn(2, 5), None
     with torch.no_grad():
         expected = m(x)
         try:
-            with zs.FSDP.summon_full_params(m, writeback=writeback):
-                m.out.bias.add_(100.0)
+            with zs.FSDP.summon_full_params(m, writeback=writeback, rank0_only=rank0_only):
+                if not rank0_only:  # (the other ranks hold no full parameters to edit)
+                    m.out.bias.add_(100.0)
                 got = m(x)
         except RuntimeError as e:
-            error, got = str(e), expected
+            error, got = str(e), m(x) if rank0_only else expected  # rank0_only: the module runs as before after it
         with zs.FSDP.summon_full_params(m):
             torch.manual_seed(0)
             kept = float(m.out.bias.sum() - MLP().out.bias.sum())
     return error, torch.equal(got, expected), round(kept)
-
-
-def _forward_inside_rank0_only_summon(rank, world_size, use_orig_params):
-    torch.manual_seed(0)
-    m = zs.FSDP(MLP(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), use_orig_params=use_orig_params)
-    x, error = torch.randn(2, 5), None
-    with torch.no_grad():
-        expected = m(x)
-        try:
-            with zs.FSDP.summon_full_params(m, writeback=False, rank0_only=True):
-                m(x)
-        except RuntimeError as e:
-            error = str(e)
-        return error, torch.equal(m(x), expected)
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True])
@@ -402,7 +389,7 @@ def test_a_forward_inside_a_rank0_only_summon_is_refused_on_every_rank(ranks, us
     """Rank 0 holds the summoned parameters, the others their shards: the other ranks all-gathered
     alone and failed after the collective timeout (torch FSDP1 hangs). Now every rank refuses at
     the forward, and the module runs as before after the block."""
-    for error, same in ranks.run(2, _forward_inside_rank0_only_summon, use_orig_params):
+    for error, same, _ in ranks.run(2, _forward_inside_summon, use_orig_params, False, True):
         assert error and "rank0_only=True" in error and "Fix" in error, error
         assert same
 
