@@ -201,7 +201,7 @@ def test_walkthrough_api_table_covers_torch_fsdp1():
         "Names in `torch.distributed.fsdp` (FSDP1)": ({n for n in tfsdp.__all__ if hasattr(tmod, n)}, lambda n: hasattr(zeroshard, n)),
         "Names in `torch.distributed.fsdp.wrap`": (set(twrap.__all__), lambda n: hasattr(zeroshard.wrap, n)),
         "`FullyShardedDataParallel.__init__` keywords": (set(params(T.__init__)), lambda n: n in params(Z.__init__)),
-        "Static methods": (static, lambda n: isinstance(Z.__dict__.get(n), staticmethod)),
+        "Static methods": (static, lambda n: isinstance(inspect.getattr_static(Z, n, None), staticmethod)),
         "Methods and properties": (methods, lambda n: hasattr(Z, n)),
     }
     assert set(tables) == set(expected), set(tables)
