@@ -6,6 +6,7 @@ imports keep working."""
 from __future__ import annotations
 
 import functools
+import os
 import pickle
 import subprocess
 import sys
@@ -260,8 +261,13 @@ def _returns_rank(rank, world_size):
 
 
 def test_cli_usage_errors_exit_2_before_any_rank_starts():
+    """Also flags that were silently ignored (--wrap-class under --wrap size, --min-num-params
+    without it) or failed on the ranks with exit 1 (--timeout -5, --lr -1, a function as --wrap-class)."""
     for argv in (["parity", "nosuchmod:make_model"], ["parity", "models:MLP", "--wrap", "transformer"],
-                 ["parity", "models:MLP", "--world-size", "0"], ["parity", "models:MLP", "--steps", "0"]):  # IndexError before
+                 ["parity", "models:MLP", "--world-size", "0"], ["parity", "models:MLP", "--steps", "0"],  # IndexError before
+                 ["parity", "models:MLP", "--wrap", "size", "--wrap-class", "Block"],
+                 ["parity", "models:MLP", "--min-num-params", "10"], ["parity", "models:MLP", "--timeout", "-5"],
+                 ["parity", "models:MLP", "--lr", "-1"], ["parity", "models:MLP", "--wrap-class", "batch"]):
         out = subprocess.run([sys.executable, "-m", "zeroshard.testing", *argv], capture_output=True, text=True,
                              timeout=120, cwd=str(__import__("pathlib").Path(__file__).parent))
         assert out.returncode == 2 and "error:" in out.stderr and "Traceback" not in out.stderr, out.stderr
@@ -302,6 +308,43 @@ def test_a_rank_that_dies_is_named_not_timed_out():
 
 def _rank_and_size(rank, world_size):
     return rank, world_size
+
+
+class _MismatchError(AssertionError):
+    def __init__(self, got, want):
+        super().__init__(f"got {got}, want {want}")
+
+
+def _custom_assertion(rank, world_size):
+    raise _MismatchError(rank, -1)
+
+
+def _exits_quietly_on_rank_1(rank, world_size):
+    if rank == 1:
+        os._exit(0)
+    return rank
+
+
+def test_odd_failures_keep_their_tracebacks_and_are_not_hangs():
+    """An assertion class whose __init__ takes other arguments could not be rebuilt by the
+    parent: a TypeError from the launcher, the ranks' tracebacks lost. A rank that exited with
+    status 0 and no result waited out spawn's whole timeout as 'a hung collective?'."""
+    with pytest.raises(RuntimeError, match="got 0, want -1"):
+        spawn(_custom_assertion, 1, timeout=120)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"rank 1 exited with code 0 without a report"):
+        spawn(_exits_quietly_on_rank_1, 2, timeout=100, pg_timeout=20)
+    assert time.monotonic() - start < 60
+
+
+def test_identical_nans_are_no_difference():
+    from zeroshard.testing.parity import compare
+
+    nan = torch.tensor([1.0, float("nan"), 3.0])
+    assert compare(nan, nan.clone())[0]
+    same, diff, detail = compare(nan, torch.tensor([1.0, float("nan"), 4.0]))
+    assert not same and diff == 1.0 and detail == "1 of 3 elements differ"
+    assert not compare(nan, torch.tensor([1.0, 2.0, 3.0]))[0]
 
 
 def test_no_ranks_is_refused():

@@ -25,7 +25,7 @@ import sys
 
 import torch
 
-from ..cli_args import positive_int
+from ..cli_args import positive_float, positive_int
 from .parity import ParityError, assert_parity, default_input
 from .ranks import spawn
 
@@ -72,9 +72,9 @@ def cli_rank(rank, world_size, args: dict):
     make_model = _checked(resolve(args["factory"]), args["factory"], guess_input=not args["input"])
     classes = {resolve(c, factory_module) for c in args["wrap_class"]}
     policy = {"none": None, "module": classes or None, "transformer": ("transformer", classes) if classes else None,
-              "size": args["min_num_params"]}[args["wrap"] or ("module" if classes else "none")]
+              "size": args["min_num_params"] or 1000}[args["wrap"] or ("module" if classes else "none")]
     mp = None
-    if args["mixed_precision"]:
+    if args["mixed_precision"] or args["reduce_dtype"]:  # --reduce-dtype alone: reductions only, as MixedPrecision allows
         mp = {"param_dtype": args["mixed_precision"], "reduce_dtype": args["reduce_dtype"] or args["mixed_precision"],
               "buffer_dtype": args["mixed_precision"]}
     kw = dict(steps=args["steps"], sharding_strategy=args["strategy"], auto_wrap_policy=policy,
@@ -99,6 +99,10 @@ def _usage_problem(args: dict) -> str | None:
     """What makes these options unusable, found here before any rank starts."""
     if args["wrap"] in ("module", "transformer") and not args["wrap_class"]:
         return f"--wrap {args['wrap']} needs at least one --wrap-class NAME"
+    if args["wrap"] in ("size", "none") and args["wrap_class"]:  # it would be ignored: a different run than asked for
+        return f"--wrap-class wraps by class; --wrap {args['wrap']} does not: drop one of them"
+    if args["min_num_params"] is not None and args["wrap"] != "size":
+        return "--min-num-params is the threshold of --wrap size: add --wrap size, or drop it"
     if args["cwd"] not in sys.path:
         sys.path.insert(0, args["cwd"])
     factory_module = args["factory"].rpartition(":")[0]
@@ -107,9 +111,11 @@ def _usage_problem(args: dict) -> str | None:
         if spec is None:
             continue
         try:
-            resolve(spec, default)
+            found = resolve(spec, default)
         except Exception as e:  # noqa: BLE001 - any import or lookup failure is the user's spec
             return f"cannot find the {what} {spec!r} ({type(e).__name__}: {e})"
+        if what == "--wrap-class" and not (isinstance(found, type) and issubclass(found, torch.nn.Module)):
+            return f"--wrap-class {spec!r} is {type(found).__name__} {found!r}, not an nn.Module class"
     return None
 
 
@@ -124,7 +130,7 @@ def main(argv=None) -> int:
     q.add_argument("--wrap", choices=["none", "module", "transformer", "size"], default=None,
                    help="auto-wrap policy (default: module if --wrap-class is given, else none)")
     q.add_argument("--wrap-class", action="append", default=[], metavar="NAME", help="unit class for module/transformer wrapping")
-    q.add_argument("--min-num-params", type=int, default=1000, help="threshold for --wrap size")
+    q.add_argument("--min-num-params", type=positive_int, default=None, help="threshold for --wrap size (default 1000)")
     q.add_argument("--use-orig-params", action="store_true")
     q.add_argument("--prefetch", default="BACKWARD_PRE", choices=["BACKWARD_PRE", "BACKWARD_POST", "NONE"])
     q.add_argument("--forward-prefetch", action="store_true")
@@ -134,9 +140,9 @@ def main(argv=None) -> int:
     q.add_argument("--clip", type=float, default=None, help="also compare clip_grad_norm_(CLIP) each step")
     q.add_argument("--input", default=None, metavar="[module:]fn", help="make_input(rank, step) (default: guessed from the first layer)")
     q.add_argument("--loss", default=None, metavar="[module:]fn", help="loss_fn(output, batch) (default: mean of squares)")
-    q.add_argument("--lr", type=float, default=None, help="AdamW learning rate (default 1e-2)")
+    q.add_argument("--lr", type=positive_float, default=None, help="AdamW learning rate (default 1e-2)")
     q.add_argument("--seed", type=int, default=0)
-    q.add_argument("--timeout", type=float, default=300.0, help="seconds before the ranks are stopped")
+    q.add_argument("--timeout", type=positive_float, default=300.0, help="seconds before the ranks are stopped")
     args = vars(p.parse_args(argv))
     args["cwd"] = os.getcwd()
     problem = _usage_problem(args)

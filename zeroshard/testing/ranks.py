@@ -58,9 +58,13 @@ def _raise_failures(name: str, errors: dict, world_size: int):
     msg = "\n".join(f"--- rank {r} ---\n{errors[r][0]}" for r in sorted(errors))
     where = f"{name} failed on rank(s) {sorted(errors)} of {world_size}"
     if all(blob is not None for _, blob in errors.values()):
-        exc = pickle.loads(errors[min(errors)][1])
-        exc.add_note(f"{where}:\n{msg}")
-        raise exc
+        try:
+            exc = pickle.loads(errors[min(errors)][1])
+        except Exception:  # noqa: BLE001 - an assertion class whose __init__ takes other arguments
+            exc = None
+        if exc is not None:
+            exc.add_note(f"{where}:\n{msg}")
+            raise exc
     raise RuntimeError(f"{where}:\n{msg}")
 
 
@@ -121,7 +125,7 @@ def spawn(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float 
     ]
     for p in procs:
         p.start()
-    outputs, errors = {}, {}
+    outputs, errors, gone = {}, {}, set()
     deadline = time.monotonic() + timeout
     while len(outputs) + len(errors) < world_size:
         remaining = deadline - time.monotonic()
@@ -130,9 +134,13 @@ def spawn(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float 
         try:
             rank, status, value = results.get(timeout=min(remaining, 1.0))
         except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in errors and r not in outputs]
-            for r in dead:
-                errors[r] = (f"rank {r} exited with code {procs[r].exitcode} without a report", None)
+            # Exited without a result (a failure, or os._exit(0)): code 0 only when already seen exited
+            # at the last empty wait, so that a result it put just before exiting is read first.
+            ended = {r for r, p in enumerate(procs) if p.exitcode is not None and r not in errors and r not in outputs}
+            for r in sorted(ended):
+                if procs[r].exitcode != 0 or r in gone:
+                    errors[r] = (f"rank {r} exited with code {procs[r].exitcode} without a report", None)
+            gone = ended
             continue
         if status == "ok":
             outputs[rank] = pickle.loads(value)
@@ -162,7 +170,11 @@ def _pool_worker(rank, world_size, port, tasks, results, pg_timeout, threads):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
     while True:
-        task = tasks.get()
+        try:
+            task = tasks.get()
+        except BaseException:  # noqa: BLE001 - the function or its arguments cannot be unpickled here
+            results.put((None, rank, *_failure()))  # (None: the task that is running)
+            continue
         if task is None:
             break
         task_id, fn, args = task
@@ -180,8 +192,8 @@ class RankPool:
     runs many small tests in it. A task after which some rank does not report
     (a hang or a crash) leaves collectives unmatched, so the pool is then shut
     down and ``broken``; the next ``run`` starts fresh ranks (a hypothesis
-    search keeps going after a hung example). A task that raised on every rank
-    that was waited for keeps the pool usable.
+    search keeps going after a hung example). So does any failed task: a rank
+    that raised may have left a collective unmatched, or gloo's group unusable.
     """
 
     def __init__(self, world_size: int, pg_timeout: float = 60.0, threads: int = 1):
@@ -228,7 +240,7 @@ class RankPool:
                 continue
             if tid == task_id and status == "ok":
                 outputs[rank] = pickle.loads(value)
-            elif tid == task_id:
+            elif tid in (task_id, None):
                 errors[rank] = value
             if errors and len(outputs) + len(errors) < self.world_size:
                 # The other ranks may be blocked in a collective the failed
