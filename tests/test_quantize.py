@@ -265,3 +265,33 @@ def _custom_quantizer(rank, world_size):
 def test_a_custom_quantizer_is_not_refused_for_its_address(ranks):
     """Construction compared quantizers by str(): a class without a __repr__ differed on every rank."""
     assert ranks.run(2, _custom_quantizer) == [True, True]
+
+
+class _Lookup(torch.nn.Module):
+    """A frozen integer (or complex) table stored as a Parameter."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.ids = torch.nn.Parameter(values, requires_grad=False)
+
+    def forward(self, x):
+        return x + self.ids.abs().sum().real.float()
+
+
+def _table_as_gathered(rank, world_size, values):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), _Lookup(values))
+    seen = []
+    net[1].register_forward_pre_hook(lambda m, a: seen.append(m.ids.detach().clone()))
+    m = zs.FSDP(net, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({_Lookup}), quantized_all_gather=Int8BlockQuant(block_size=4))
+    with torch.no_grad():
+        m(torch.zeros(1, 4))
+    return seen[0]
+
+
+@pytest.mark.parametrize("values", [torch.arange(1000, 1010), torch.tensor([1 + 2j, 3 - 4j, 5 + 0.5j])])
+def test_integer_and_complex_units_are_gathered_exactly(ranks, values):
+    """qwZ quantized every sharded unit: ids 1000..1009 came back as 1003,1003,... and complex
+    values lost their imaginary part, silently. Only floating-point units are quantized now."""
+    for got in ranks.run(2, _table_as_gathered, values):
+        assert torch.equal(got, values), got

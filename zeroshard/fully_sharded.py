@@ -177,7 +177,9 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
                               nested_units=[n for n, m in module.named_modules() if m in nested] or None),
             )
             self._handle.persistent = self._handle.strategy != strategy
-            self._handle.quant = quantized_all_gather if self._handle.sharded else None
+            # Integer and complex units are gathered exactly: int8 blocks would round them (quantize).
+            floating = self._handle.dtype.is_floating_point
+            self._handle.quant = quantized_all_gather if self._handle.sharded and floating else None
             self._handle.hpz = SecondaryShards(hpz_group) if hpz_group is not None and self._handle.sharded else None
             flat = self._handle.flat_param
             # torch FSDP1 registers it on ``self.module``: inside an activation-checkpointing wrapper.

@@ -365,8 +365,9 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
     def prepare_gradient_for_optim(self):
         """After a synchronized backward, ``.grad`` is the reduced shard."""
         moved = self.saved_grad_shard is not None
-        if moved:
+        if moved:  # no reduction took it (an autograd.grad pass reaching no parameter): still the reduced one
             self.flat_param.grad, self.saved_grad_shard = self.saved_grad_shard, None
+            self.grad_reduced = True  # (a persistent unit's next backward sets it aside again)
         if self.use_orig_params:  # in full precision, before the cast below, as torch adds them
             self.absorb_outside_grads()
         low = self.keep_low_precision_grads and not self.forced_full_precision

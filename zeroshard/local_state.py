@@ -226,7 +226,9 @@ def load(root, state_dict, strict: bool = True):
             bad = shape_mismatch(rest, current)
             if bad is not None:
                 raise ValueError(f"zeroshard: LOCAL state dict entry '{clean_fqn(bad[0])}' has shape {bad[1]} but the "
-                                 f"model's is {bad[2]}. Fix: load the LOCAL state dict this model saved at this world size.")
+                                 f"model's is {bad[2]}. Fix: load the LOCAL state dict this model saved at this world size, "
+                                 "wrapped the same way (the wrap policy and param_persistence_threshold decide which units "
+                                 "are sharded, and so the shapes of use_orig_params' shards).")
             if strict and flat_keys and unexpected and not any(key in given for key in flat_keys):
                 raise RuntimeError(f"zeroshard: LOCAL state dict load got no flat shard (missing {missing}) but the keys "
                                    f"{unexpected[:3]}...: this is a FULL or SHARDED state dict, and strict=False would load "

@@ -311,8 +311,8 @@ def warn_if_nothing_quantized(states) -> None:
     handles = [s._handle for s in states if s._handle is not None]
     if any(s.quantized_all_gather is not None for s in states) and not any(h.quant is not None for h in handles):
         warnings.warn("zeroshard: quantized_all_gather has no effect: no unit of this model is sharded (NO_SHARD, a "
-                      "world size of 1, or param_persistence_threshold keeps them all whole), so nothing is "
-                      "all-gathered. Fix: shard the model (FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD on 2 or more "
+                      "world size of 1, or param_persistence_threshold keeps them all whole) with floating-point "
+                      "parameters, so nothing is quantized. Fix: shard the model (FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD on 2 or more "
                       "ranks), or drop quantized_all_gather.", stacklevel=4)
         return
     # Each rank's shard is padded to whole blocks: a shard smaller than a block sends more than it saves.
