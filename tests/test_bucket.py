@@ -125,26 +125,29 @@ def test_bit_identical_to_torch_on_two_ranks(ranks, model, kw, use_orig_params, 
 
 
 # ------------------------------------------------------------ calls per step
-def _accumulated_grads(rank, world_size, use_orig_params, kw, input_grad_pass):
+def _accumulated_grads(rank, world_size, use_orig_params, kw, input_grad_pass, no_sync=False):
     torch.manual_seed(0)
     m = zs.FSDP(MLP(), auto_wrap_policy=_policy(zs.wrap), use_orig_params=use_orig_params, **kw)
-    for micro in range(2):  # accumulation outside no_sync: the second reduction adds to the first one's
+    for micro in range(3):  # accumulation: each reduction adds to the ones before (no_sync: the second is local)
         x = batch("mlp", rank, micro).requires_grad_(True)
         if input_grad_pass:  # a saliency map: a backward that reaches no parameter
             torch.autograd.grad(m(x).sum(), x)
-        m(x).pow(2).mean().backward()
+        with m.no_sync() if no_sync and micro == 1 else contextlib.nullcontext():
+            m(x).pow(2).mean().backward()
     return [p.grad for p in m.parameters()], [h.persistent for h in m._runtime.handles]
 
 
-@pytest.mark.parametrize("use_orig_params", [False, True])
-def test_an_input_gradient_pass_between_micro_batches_changes_no_gradient(ranks, use_orig_params):
+@pytest.mark.parametrize("use_orig_params,no_sync", [(False, False), (True, False), (False, True), (True, True)])
+def test_an_input_gradient_pass_between_micro_batches_changes_no_gradient(ranks, use_orig_params, no_sync):
     """A persistent unit's gradient set aside by that pass came back without its 'reduced' mark:
     the next backward added into it and reduced the sum again (3e-8 off in fp32; with a bf16
-    reduce_dtype rounded again every micro-batch). torch FSDP1 with use_orig_params=False drops
-    the first micro-batch's gradients there (not matched)."""
+    reduce_dtype rounded again every micro-batch). After a no_sync micro-batch the pass put the
+    set-aside reduced gradient back over the local one: that micro-batch was lost (0.63 off),
+    sharded units too. torch FSDP1 with use_orig_params=False drops the earlier micro-batches'
+    gradients there (not matched)."""
     kw = dict(param_persistence_threshold=100)
-    plain = ranks.run(2, _accumulated_grads, use_orig_params, kw, False)
-    for (grads, persistent), (want, _) in zip(ranks.run(2, _accumulated_grads, use_orig_params, kw, True), plain):
+    plain = ranks.run(2, _accumulated_grads, use_orig_params, kw, False, no_sync)
+    for (grads, persistent), (want, _) in zip(ranks.run(2, _accumulated_grads, use_orig_params, kw, True, no_sync), plain):
         assert any(persistent) and not all(persistent)
         assert all(a is b is None or torch.equal(a, b) for a, b in zip(grads, want))  # (None: no elements on this rank)
 

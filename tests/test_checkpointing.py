@@ -647,3 +647,24 @@ def test_a_reentrant_region_in_a_no_shard_unit_under_mixed_precision_reduces_as_
     Now the backward re-casts into the forward's buffer: two all-reduces, bit-identical."""
     for counts, same in ranks.run(4, _part_of_a_no_shard_unit_reentrant_under_mp, dtype, no_sync):
         assert counts == {"torch": 2, "zeroshard": 2} and same, counts
+
+
+def _recast_buffers_kept(rank, world_size):
+    torch.manual_seed(0)
+    net = _InnerMLP()
+    net.inp.requires_grad_(False)
+    m = zs.FSDP(net, sharding_strategy=zs.ShardingStrategy.NO_SHARD, use_orig_params=True,
+                mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16),
+                auto_wrap_policy=zs.wrap.ModuleWrapPolicy({nn.Linear}))
+    out = m(torch.randn(4, 7))
+    kept = {h.unit_name.split(" ")[0]: h._recast_into is not None for h in m._runtime.handles}
+    out.float().sum().backward()
+    return kept, [h._recast_into is None for h in m._runtime.handles]
+
+
+def test_only_trained_no_shard_units_keep_their_forward_copy_for_backward(ranks):
+    """The low-precision copy is kept from forward to backward for the backward to re-cast into
+    (above); a frozen unit's was kept too, where nothing needs it (freed after its forward before)."""
+    for kept, dropped in ranks.run(2, _recast_buffers_kept):
+        assert kept == {"inp": False, "block.l1": True, "block.l2": True, "out": True}, kept
+        assert all(dropped)

@@ -394,6 +394,23 @@ def test_a_forward_inside_a_rank0_only_summon_is_refused_on_every_rank(ranks, us
         assert same
 
 
+def _no_shard_forward_inside_rank0_only_summon(rank, world_size):
+    torch.manual_seed(0)
+    m = zs.FSDP(MLP(), sharding_strategy=zs.ShardingStrategy.NO_SHARD, use_orig_params=True,
+                mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    x = torch.randn(2, 5)
+    with torch.no_grad():
+        expected = m(x)
+        with zs.FSDP.summon_full_params(m, writeback=False, rank0_only=True):
+            got = m(x)
+    return torch.equal(got, expected)
+
+
+def test_a_no_shard_forward_inside_a_rank0_only_summon_still_runs(ranks):
+    """NO_SHARD units gather nothing: the refusal above is for units whose ranks would differ."""
+    assert all(ranks.run(2, _no_shard_forward_inside_rank0_only_summon))
+
+
 @pytest.mark.parametrize("use_orig_params,writeback", [(False, True), (True, True), (False, False), (True, False)])
 def test_a_forward_inside_summon_full_params(ranks, use_orig_params, writeback):
     """With writeback the forward freed the summoned buffer: the block's edits were lost and

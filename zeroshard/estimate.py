@@ -272,8 +272,9 @@ def comm_volume(est: ModelEstimate) -> dict:
     FULL_SHARD gathers every unit in forward and all but the root in backward
     (over the hpZ group when ``est.hpz_group_size`` is set); gradients are
     reduce-scattered in the compute dtype (MixedPrecision's default
-    reduce_dtype); a unit with nothing to train reduces nothing. The same ring
-    accounting as ``zeroshard.comm_stats()``.
+    reduce_dtype); a unit with nothing to train reduces nothing (but is counted
+    as gathered again in backward, which a frozen unit whose inputs need no
+    gradient is not). The same ring accounting as ``zeroshard.comm_stats()``.
     """
     n, c = est.world_size, est.compute_itemsize
     whole = sum(u.numel for u in est.units if not u.sharded and u.trainable) * c

@@ -298,7 +298,8 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         the post-backward hook is on, and a reentrant checkpoint's recomputation reuses them
         (module_views): its backward reduces the unit, as torch's does."""
         into, self._recast_into = self._recast_into, None
-        if into is not None and into.dtype == dtype and into.device == self.device:
+        same_device = into is not None and into.device.type == self.device.type and self.device.index in (None, into.device.index)
+        if same_device and into.dtype == dtype:
             return into.copy_(self.local_shard)
         return self.local_shard.to(self.device, dtype)
 
@@ -335,7 +336,8 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
                 self._gather_work = None
             if self.sharded:
                 self._full.untyped_storage().resize_(0)
-            elif self._full is not self.local_shard and self.state == HandleState.FORWARD and torch.is_grad_enabled():
+            elif (self._full is not self.local_shard and self.state == HandleState.FORWARD and torch.is_grad_enabled()
+                  and self.flat_param.requires_grad):
                 self._recast_into = self._full  # a copy autograd holds until the backward anyway (_recast)
             self._full = None
             self.unsharded = self.graph_kept = False
@@ -364,8 +366,10 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
 
     def prepare_gradient_for_optim(self):
         """After a synchronized backward, ``.grad`` is the reduced shard."""
-        moved = self.saved_grad_shard is not None
-        if moved:  # no reduction took it (an autograd.grad pass reaching no parameter): still the reduced one
+        # No reduction took it (an autograd.grad pass reaching no parameter): still the reduced one. Unless
+        # .grad holds a no_sync gradient: both stay for the next synchronized backward to add.
+        moved = self.saved_grad_shard is not None and self.flat_param.grad is None
+        if moved:
             self.flat_param.grad, self.saved_grad_shard = self.saved_grad_shard, None
             self.grad_reduced = True  # (a persistent unit's next backward sets it aside again)
         if self.use_orig_params:  # in full precision, before the cast below, as torch adds them

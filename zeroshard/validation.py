@@ -371,10 +371,10 @@ def refuse_forward_inside_summon(handle) -> None:
     use_orig_params=True and writeback=False it gathers and frees as any forward. Under
     rank0_only the ranks hold different layouts (rank 0 the summoned one, the others their
     shards): refused on every rank alike."""
-    if handle.summoned_rank0_only and not handle.always_full:
+    if handle.summoned_rank0_only and not handle.always_full and (handle.sharded or not handle.use_orig_params):
         raise RuntimeError(f"zeroshard: forward of unit '{handle.unit_name}' inside its summon_full_params(rank0_only=True): "
-                           "only rank 0 holds the full parameters, so the other ranks would all-gather alone (a hang "
-                           "in torch FSDP1). Fix: run the forward after the with block, or summon with rank0_only=False.")
+                           "only rank 0 holds the full parameters, so the ranks would compute on different layouts (a "
+                           "sharded unit's other ranks all-gathering alone: a hang in torch FSDP1). Fix: run the forward after the with block, or summon with rank0_only=False.")
     wb = handle.summoned_writeback
     if wb is None or handle.always_full or (handle.use_orig_params and not wb):
         return

@@ -172,7 +172,7 @@ def _pool_worker(rank, world_size, port, tasks, results, pg_timeout, threads):
     while True:
         try:
             task = tasks.get()
-        except BaseException:  # noqa: BLE001 - the function or its arguments cannot be unpickled here
+        except Exception:  # noqa: BLE001 - the function or its arguments cannot be unpickled here
             results.put((None, rank, *_failure()))  # (None: the task that is running)
             continue
         if task is None:
