@@ -54,8 +54,8 @@ def check_count(where: str, name: str, value, low: int = 1) -> None:
 
 def check_fraction(where: str, name: str, value, low_open: bool) -> None:
     """A number in [0, 1] ((0, 1] with ``low_open``): ValueError naming it."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and (0 < value if low_open else 0 <= value) and value <= 1
-    if not ok:
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not (number and (0 < value if low_open else 0 <= value) and value <= 1):
         raise ValueError(f"{where}: {name} must be in {'(0' if low_open else '[0'}, 1], got {value!r}")
 
 

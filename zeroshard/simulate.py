@@ -208,7 +208,7 @@ def simulate(model: Model, gpus: int, hardware: str | Hardware, micro_batch: int
     rate = peak * 1e12 * (hw.efficiency if efficiency is None else efficiency)
     tokens = micro_batch * seq
     d, s = model.d_model, seq
-    k = gpus if strategy == "NO_SHARD" else min(shard_group or gpus, gpus)
+    k = gpus if strategy == "NO_SHARD" else shard_group or gpus  # (a shard_group above gpus is refused above)
     if gpus % k:
         raise ValueError(f"shard group {k} does not divide world size {gpus}")
     g = hw.gpus_per_node

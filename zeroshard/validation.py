@@ -312,8 +312,8 @@ def warn_if_nothing_quantized(states) -> None:
     if any(s.quantized_all_gather is not None for s in states) and not any(h.quant is not None for h in handles):
         warnings.warn("zeroshard: quantized_all_gather has no effect: no unit of this model is sharded (NO_SHARD, a "
                       "world size of 1, or param_persistence_threshold keeps them all whole) with floating-point "
-                      "parameters, so nothing is quantized. Fix: shard the model (FULL_SHARD / SHARD_GRAD_OP / HYBRID_SHARD on 2 or more "
-                      "ranks), or drop quantized_all_gather.", stacklevel=4)
+                      "parameters, so nothing is quantized. Fix: shard the model (FULL_SHARD / SHARD_GRAD_OP / "
+                      "HYBRID_SHARD on 2 or more ranks), or drop quantized_all_gather.", stacklevel=4)
         return
     # Each rank's shard is padded to whole blocks: a shard smaller than a block sends more than it saves.
     larger = [h.unit_name for h in handles if h.quant is not None and hasattr(h.quant, "payload_bytes")
@@ -374,7 +374,8 @@ def refuse_forward_inside_summon(handle) -> None:
     if handle.summoned_rank0_only and not handle.always_full and (handle.sharded or not handle.use_orig_params):
         raise RuntimeError(f"zeroshard: forward of unit '{handle.unit_name}' inside its summon_full_params(rank0_only=True): "
                            "only rank 0 holds the full parameters, so the ranks would compute on different layouts (a "
-                           "sharded unit's other ranks all-gathering alone: a hang in torch FSDP1). Fix: run the forward after the with block, or summon with rank0_only=False.")
+                           "sharded unit's other ranks all-gathering alone: a hang in torch FSDP1). Fix: run the "
+                           "forward after the with block, or summon with rank0_only=False.")
     wb = handle.summoned_writeback
     if wb is None or handle.always_full or (handle.use_orig_params and not wb):
         return
