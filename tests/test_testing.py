@@ -337,6 +337,25 @@ def test_odd_failures_keep_their_tracebacks_and_are_not_hangs():
     assert time.monotonic() - start < 60
 
 
+def _refuse_rebuild():
+    raise ValueError("this object cannot be rebuilt on a rank")
+
+
+class _OnlyInParent:
+    """Pickles in the parent (which is all the launcher can check there), fails to unpickle."""
+
+    def __reduce__(self):
+        return _refuse_rebuild, ()
+
+
+def test_an_argument_that_cannot_be_rebuilt_on_a_rank_is_reported_with_its_traceback():
+    """multiprocessing unpickled spawn's function and arguments before the rank ran: such a
+    failure went to stderr, and the caller got only 'rank 0 exited with code 1 without a report'."""
+    with pytest.raises(RuntimeError, match="cannot be rebuilt on a rank") as info:
+        spawn(_rank_and_size, 1, _OnlyInParent(), timeout=120)
+    assert "_refuse_rebuild" in str(info.value)
+
+
 def test_identical_nans_are_no_difference():
     from zeroshard.testing.parity import compare
 

@@ -68,27 +68,31 @@ def _raise_failures(name: str, errors: dict, world_size: int):
     raise RuntimeError(f"{where}:\n{msg}")
 
 
-def _check_sendable(fn, args, who: str):
-    """Refuse, in the parent, what the ranks could not receive."""
+def _check_sendable(fn, args, who: str) -> bytes:
+    """Refuse, in the parent, what the ranks could not receive; else the pickled ``(fn, args)``."""
     main = sys.modules.get("__main__")
     if getattr(fn, "__module__", None) == "__main__" and not getattr(main, "__file__", None):
         raise ValueError(f"zeroshard.testing.{who}: {getattr(fn, '__name__', fn)} is defined in an interactive "
                          "__main__ (python -c, stdin, a notebook), which the ranks cannot import. Fix: define it "
                          "in a file and import it from there.")
     try:
-        pickle.dumps((fn, args))
+        return pickle.dumps((fn, args))
     except Exception as e:
         raise ValueError(f"zeroshard.testing.{who}: {getattr(fn, '__name__', fn)} or its arguments cannot be "
                          f"sent to the ranks ({e}). Fix: use module-level functions, not lambdas or closures.") from e
 
 
-def _worker(rank, world_size, port, fn, args, results, pg_timeout, threads):
+def _worker(rank, world_size, port, payload, results, pg_timeout, threads):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
     try:
+        # Unpickled here, not by multiprocessing before the process runs: an object that cannot be
+        # rebuilt on a rank (a __setstate__ that raises, a module missing there) is then reported
+        # with its traceback instead of as an exit code.
+        fn, args = pickle.loads(payload)
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
         results.put((rank, *_result(fn(rank, world_size, *args))))
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim
@@ -115,12 +119,12 @@ def spawn(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float 
     assertion is raised instead, with every rank's traceback as a note.)
     """
     _check_world_size(world_size, "spawn")
-    _check_sendable(fn, args, "spawn")
+    payload = _check_sendable(fn, args, "spawn")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, pg_timeout, threads), daemon=True)
+        ctx.Process(target=_worker, args=(r, world_size, port, payload, results, pg_timeout, threads), daemon=True)
         for r in range(world_size)
     ]
     for p in procs:
