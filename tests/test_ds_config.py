@@ -21,7 +21,7 @@ from models import Block, batch, build
 from zeroshard import ds_config
 from zeroshard.accelerate_config import from_accelerate_config
 from zeroshard.ds_config import build_optimizer, load_config
-from zeroshard.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR
+from zeroshard.lr_schedules import WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
 from zeroshard.loss_scale import DynamicLossScaler, StaticLossScaler, has_overflow, unscale_
 
 MICRO = {"train_micro_batch_size_per_gpu": 4}
@@ -72,7 +72,9 @@ BAD = [
     ({"optimizer": "Adam"}, r"optimizer = 'Adam': expected an object"),
     ({"scheduler": {"type": "OneCycle"}}, r"scheduler.type = 'OneCycle': zeroshard implements DeepSpeed's WarmupLR"),
     ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "cosine"}}}, r"warmup_type = 'cosine': expected 'log' or 'linear'"),
-    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}}, r"warmup_num_steps = 0: expected an integer >= 1"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": -1}}}, r"warmup_num_steps = -1: expected an integer >= 0"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_lr": [1e-3, "x"]}}}, r"warmup_max_lr\[1\] = 'x'"),
+    ({"fp16": {"initial_scale_power": 128}}, r"initial_scale_power = 128: 2\*\*power must be a finite fp32.*at most 127"),
     ({"scheduler": {"type": "WarmupDecayLR", "params": {}}}, r"total_num_steps = None: WarmupDecayLR needs the total"),
     ({"scheduler": {"type": "WarmupCosineLR", "params": {}}}, r"total_num_steps = None: WarmupCosineLR needs the total"),
     ({"scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 9, "cos_min_ratio": "x"}}},
@@ -202,24 +204,42 @@ def test_warmup_schedules_follow_deepspeeds_formulas():
     assert _lrs(WarmupDecayLR(opt(), total_num_steps=20, warmup_num_steps=2, warmup_type="linear"), 3)[-1] == 0.001
 
 
+def test_no_warmup_and_per_group_lrs_load_as_deepspeed_reads_them():
+    """warmup_num_steps 0 (what the HF Trainer writes for no warmup) was refused; DeepSpeed warms up
+    over max(2, n) steps. A list of warmup lrs, one per param group, was refused by the config."""
+    cfg = {**MICRO, "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0, "warmup_type": "linear",
+                                                                  "warmup_min_lr": [0.0, 0.0], "warmup_max_lr": [1.0, 4.0]}}}
+    spec = load_config(cfg, 1).scheduler
+    groups = torch.optim.SGD([{"params": [torch.nn.Parameter(torch.zeros(1))], "lr": 9.0} for _ in range(2)])
+    sched = build_scheduler(spec, groups)
+    seen = []
+    for _ in range(3):
+        sched.step()
+        seen.append([g["lr"] for g in groups.param_groups])
+    assert seen == [[0.0, 0.0], [0.5, 2.0], [1.0, 4.0]]  # i / 2 for i = 0, 1, then the max
+
+
 @pytest.mark.parametrize("warmup_type", ["log", "linear"])
 def test_warmup_cosine_follows_deepspeeds_formula(warmup_type):
     """DeepSpeed's WarmupCosineLR, written out here in its order of operations
     (so the comparison is exact): a ratio of the lr at construction, 0 before
     the first step."""
-    total, n, lo, end, lr = 20, 5, 0.1, 0.01, 0.5
+    lo, end, lr = 0.1, 0.01, 0.5
+    # (pi * (step / steps), as this was, rounds the half cosine differently from DeepSpeed's
+    # pi * step / steps at 31 of the (150, 13) schedule's 141 steps from n on, none of (20, 5)'s)
+    for total, n in ((20, 5), (150, 13)):
+        def ratio(i):
+            if i < n:
+                g = (1.0 / math.log(n)) * math.log(i + 1) if warmup_type == "log" else i / n
+                return lo + g * (1.0 - lo)
+            # DeepSpeed: real_last_step / real_total_steps, held at the end here (DeepSpeed's climbs back)
+            half = (1 + math.cos(math.pi * min(i - n + 1, total - n) / (total - n))) / 2
+            return max(0.0, end + (1.0 - end) * half)
 
-    def ratio(i):
-        if i < n:
-            g = (1.0 / math.log(n)) * math.log(i + 1) if warmup_type == "log" else i / n
-            return lo + g * (1.0 - lo)
-        half = (1 + math.cos(math.pi * min(1.0, (i - n + 1) / max(1, total - n)))) / 2
-        return max(0.0, end + (1.0 - end) * half)
-
-    sched = WarmupCosineLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr), total_num_steps=total,
-                           warmup_min_ratio=lo, warmup_num_steps=n, cos_min_ratio=end, warmup_type=warmup_type)
-    assert _lrs(sched, 24) == [0.0] + [lr * ratio(i) for i in range(24)]
-    assert sched.optimizer.param_groups[0]["lr"] == lr * end  # past the end: held at cos_min_ratio
+        sched = WarmupCosineLR(torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr), total_num_steps=total,
+                               warmup_min_ratio=lo, warmup_num_steps=n, cos_min_ratio=end, warmup_type=warmup_type)
+        assert _lrs(sched, total + 4) == [0.0] + [lr * ratio(i) for i in range(total + 4)]
+        assert sched.optimizer.param_groups[0]["lr"] == lr * end  # past the end: held at cos_min_ratio
     spec = load_config({**MICRO, "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": total}}}, 1).scheduler
     assert spec == {"type": "WarmupCosineLR", "params": {"total_num_steps": total, "warmup_num_steps": 1000}}
 

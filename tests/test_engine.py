@@ -1151,3 +1151,34 @@ def test_resume_with_another_kind_of_loss_scale_keeps_the_configured_one(ranks, 
     lower it. Now the configured scaler stays as configured, with a warning, and the rest loads."""
     for kept, weights, steps in ranks.run(2, _scaler_kind_changed, str(tmp_path), saved, resumed):
         assert kept and weights and steps
+
+
+def _scaler_settings_changed(rank, world_size, ckpt_dir):
+    engine, *_ = _engine(1, fp16={"enabled": True, "initial_scale_power": 12, "min_loss_scale": 1024})
+    _train(engine, rank, 2, 0)
+    engine.save_checkpoint(ckpt_dir, tag="t")
+    saved = engine.loss_scaler.state_dict()
+    out = {}
+    for name, fp16 in (("lower", {"min_loss_scale": 1, "loss_scale_window": 50, "hysteresis": 3}),
+                       ("higher", {"min_loss_scale": 2.0**13})):
+        fresh, *_ = _engine(1, seed=1, fp16={"enabled": True, **fp16})
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            fresh.load_checkpoint(ckpt_dir, tag="t")
+        s = fresh.loss_scaler
+        out[name] = (str(seen[-1].message) if seen else "", s.min_scale, s.scale_window, s.delayed_shift,
+                     s.cur_scale, s.cur_iter == saved["cur_iter"], s.cur_hysteresis)
+    return saved["cur_scale"], out
+
+
+def test_a_resumed_fp16_run_keeps_the_configs_loss_scaler_settings(ranks, tmp_path):
+    """The saved scaler replaced the config's settings: a run stopped at min_loss_scale (whose error
+    says 'Fix: lower fp16.min_loss_scale') resumed with the old floor whatever the config said.
+    Now it resumes the scale and step count under the config's settings, with a warning."""
+    for saved_scale, out in ranks.run(2, _scaler_settings_changed, str(tmp_path)):
+        assert saved_scale == 4096.0
+        msg, floor, window, hysteresis, scale, same_iter, left = out["lower"]
+        assert "fp16.loss_scale_window, fp16.min_loss_scale, fp16.hysteresis differ" in msg, msg
+        assert (floor, window, hysteresis, scale, same_iter) == (1.0, 50, 3, 4096.0, True) and left <= 2
+        msg, floor, window, hysteresis, scale, same_iter, left = out["higher"]
+        assert "fp16.min_loss_scale differ" in msg and (floor, scale, same_iter) == (8192.0, 8192.0, True), out

@@ -268,8 +268,11 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
     if not load_module_only:
         if load_lr_scheduler_states and ckpt.get("lr_scheduler") is not None and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(ckpt["lr_scheduler"])
-        if scaler is not None:
-            engine.loss_scaler.load_state_dict(scaler)
+        changed = engine.loss_scaler.resume(scaler) if scaler is not None else []
+        if changed:
+            warnings.warn(f"zeroshard load_checkpoint: {', '.join(changed)} differ from the checkpoint's in {folder}; "
+                          "the fp16 loss scaler resumes its scale and step count under this config's values "
+                          "(DeepSpeed would keep the saved ones). Fix: nothing if the change is meant.", stacklevel=3)
         engine.global_steps, engine.skipped_steps = ckpt["global_steps"], ckpt["skipped_steps"]
         engine.global_samples = ckpt.get("global_samples", engine.global_steps * engine.train_batch_size())
     return path, client
@@ -277,11 +280,13 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
 
 def _scaler_state(engine, saved: dict | None, folder: str) -> dict | None:
     """The fp16 loss-scaler state to resume, decided before anything loads: a dynamic scaler
-    takes a dynamic one's (scale, window, hysteresis), as DeepSpeed's does; a static scale is
-    the config's. A scaler whose kind or static scale the config changed since the save (a
-    static scale chosen after a diverging run) starts as configured, with a warning; loading
-    the other kind's state crashed half-way or gave a static scaler the dynamic scale
-    (DeepSpeed takes the saved scaler whole)."""
+    takes a dynamic one's position (scale, step count, hysteresis left) and keeps the config's
+    settings (window, floor, hysteresis), with a warning naming those the config changed; a
+    static scale is the config's. A scaler whose kind or static scale the config changed since
+    the save (a static scale chosen after a diverging run) starts as configured, with a
+    warning; loading the other kind's state crashed half-way or gave a static scaler the
+    dynamic scale. (DeepSpeed takes the saved scaler whole, so a config changed after its
+    "lower min_loss_scale" error did nothing on resume.)"""
     mine = engine.loss_scaler
     if saved is None or mine is None:
         return None

@@ -239,6 +239,10 @@ def load_config(config, world_size: int) -> DeepSpeedConfig:
         consecutive_hysteresis=_bool("fp16.consecutive_hysteresis", fp16.get("consecutive_hysteresis", False)),
         auto_cast=_bool("fp16.auto_cast", fp16.get("auto_cast", True)),
     )
+    if cfg.fp16.initial_scale_power > 127:  # the loss is scaled in fp32, where 2**128 is inf
+        raise _bad("fp16.initial_scale_power", fp16["initial_scale_power"], "2**power must be a finite fp32 number "
+                   "(the loss is scaled in fp32; 2**128 and up are inf, every step would be skipped)",
+                   "write at most 127 (DeepSpeed's default is 16)")
     if cfg.fp16.min_loss_scale <= 0:
         raise _bad("fp16.min_loss_scale", fp16["min_loss_scale"], "the scale must stay positive", "use e.g. 1")
     if "bf16" in config and "bfloat16" in config:
@@ -355,9 +359,12 @@ def _scheduler(sec: dict, unknown: list) -> dict:
     for k in ignored:
         del params[k]
     for k in ("warmup_min_lr", "warmup_max_lr", "warmup_min_ratio", "cos_min_ratio"):
-        if params.get(k) is not None:
+        if isinstance(params.get(k), list) and k.endswith("_lr"):  # one per param group, as DeepSpeed allows
+            params[k] = [_number(f"scheduler.params.{k}[{j}]", v) for j, v in enumerate(params[k])]
+        elif params.get(k) is not None:
             params[k] = _number(f"scheduler.params.{k}", params[k])
-    params["warmup_num_steps"] = _int("scheduler.params.warmup_num_steps", params.get("warmup_num_steps", 1000), 1)
+    # 0 and 1 mean 2 (DeepSpeed's max(2, n)): HF Trainer writes 0 for "no warmup"
+    params["warmup_num_steps"] = _int("scheduler.params.warmup_num_steps", params.get("warmup_num_steps", 1000))
     if params.get("warmup_type", "log") not in ("log", "linear"):
         raise _bad("scheduler.params.warmup_type", params["warmup_type"], "expected 'log' or 'linear'", 'write "log" or "linear"')
     if kind != "WarmupLR":

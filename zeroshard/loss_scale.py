@@ -109,8 +109,21 @@ class DynamicLossScaler(StaticLossScaler):
                 self.cur_scale *= self.scale_factor
         self.cur_iter += 1
 
-    _STATE = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis", "scale_window", "min_scale",
-              "delayed_shift", "consecutive_hysteresis", "scale_factor")
+    # The settings, then where the scaler is (what a resumed run takes from a checkpoint).
+    SETTINGS = {"scale_window": "loss_scale_window", "min_scale": "min_loss_scale", "delayed_shift": "hysteresis",
+                "consecutive_hysteresis": "consecutive_hysteresis", "scale_factor": None}
+    _STATE = (*SETTINGS, "cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+
+    def resume(self, saved: dict) -> list[str]:
+        """Take a saved scaler's position (scale, step count, last overflow, hysteresis left) and keep
+        this one's settings, so that a config changed for the resumed run (a lower ``min_loss_scale``
+        after the floor was hit) applies; the position is clamped to them. Returns the
+        ``fp16.*`` config keys whose saved values differ."""
+        changed = [f"fp16.{key or name}" for name, key in self.SETTINGS.items() if saved[name] != getattr(self, name)]
+        self.cur_scale = max(float(saved["cur_scale"]), self.min_scale)
+        self.cur_iter, self.last_overflow_iter = saved["cur_iter"], saved["last_overflow_iter"]
+        self.cur_hysteresis = min(saved["cur_hysteresis"], self.delayed_shift)
+        return changed
 
     def state_dict(self) -> dict:
         return {k: getattr(self, k) for k in self._STATE}

@@ -18,6 +18,13 @@ the LR is that of i = k - 1. The warmup fraction g(i) for n warmup steps
   p = min(1, (i - n + 1) / max(1, total - n)), it is
   cos_min_ratio + (1 - cos_min_ratio) * (1 + cos(pi p)) / 2. The LR is 0 before
   the first step.
+
+Where DeepSpeed's formulas break, these hold (deliberate differences):
+WarmupCosineLR stays at cos_min_ratio after ``total_num_steps`` (DeepSpeed's
+cosine goes on and the LR climbs back up), runs ``total_num_steps ==
+warmup_num_steps`` (a ZeroDivisionError in DeepSpeed) and sets every param
+group's LR to 0 before the first step (DeepSpeed only group 0's); WarmupLR's
+``warmup_max_lr`` defaults to each group's own lr (DeepSpeed: group 0's).
 """
 from __future__ import annotations
 
@@ -43,9 +50,10 @@ class _Schedule:
     """Step counting and state shared by the three schedules (``lrs()`` differs)."""
 
     def __init__(self, optimizer, warmup_num_steps: int, warmup_type: str, last_batch_iteration: int):
-        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps < 1:
-            raise ValueError(f"zeroshard LR schedule: warmup_num_steps = {warmup_num_steps!r}: expected an integer >= 1. "
-                             "Fix: give the number of optimizer steps to warm up over.")
+        if isinstance(warmup_num_steps, bool) or not isinstance(warmup_num_steps, int) or warmup_num_steps < 0:
+            raise ValueError(f"zeroshard LR schedule: warmup_num_steps = {warmup_num_steps!r}: expected an integer >= 0 "
+                             "(0 and 1 warm up over 2 steps, as in DeepSpeed). Fix: give the number of optimizer steps "
+                             "to warm up over.")
         if warmup_type not in ("log", "linear"):
             raise ValueError(f"zeroshard LR schedule: warmup_type = {warmup_type!r}: expected 'log' or 'linear'. "
                              'Fix: write "log" or "linear".')
@@ -136,8 +144,9 @@ class WarmupCosineLR(_Schedule):
             return 0.0
         if i < n:
             return self.warmup_min_ratio + _warmup_fraction(i, n, self.warmup_type) * (1.0 - self.warmup_min_ratio)
-        progress = min(1.0, (i - n + 1) / max(1, self.total_num_steps - n))
-        half_cosine = (1 + math.cos(math.pi * progress)) / 2
+        # pi * step / steps, in DeepSpeed's order (pi * (step / steps) rounds differently)
+        steps = max(1, self.total_num_steps - n)
+        half_cosine = (1 + math.cos(math.pi * min(i - n + 1, steps) / steps)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * half_cosine)
 
     def get_lr(self) -> list[float]:
