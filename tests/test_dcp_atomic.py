@@ -436,3 +436,68 @@ def test_save_sharded_to_a_different_path_on_each_rank_is_refused(ranks, tmp_pat
     for msg, listed in ranks.run(2, _save_to_per_rank_paths, str(tmp_path)):
         assert msg and "different paths" in msg and "step100_rank0' on rank 0" in msg and "Fix" in msg, msg
         assert listed == [], listed
+
+
+def _save_during_the_read(monkeypatch, path):
+    """Make another save_sharded to ``path`` land after the reader read .metadata, before it opens a data file."""
+    from torch.distributed.checkpoint import filesystem
+
+    real, landed = filesystem.FileSystem.create_stream, []
+
+    def create_stream(self, p, mode):
+        if mode == "rb" and str(p).endswith(".distcp") and not landed:
+            landed.append(True)
+            checkpoint.save_sharded({"model": {"w": torch.full((4, 3), 2.0)}, "step": torch.tensor(2)}, path)
+        return real(self, p, mode)
+
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
+    return landed
+
+
+def test_a_save_landing_during_a_read_is_an_error_not_a_mix(tmp_path, monkeypatch):
+    """DCP opens the data files by name after reading .metadata: a save_sharded to the same
+    path completing meanwhile swapped the directory, and the read went on in the new checkpoint
+    under the old one's metadata (on 2 ranks: half the tensors from each, silently)."""
+    from zeroshard.consolidate import consolidate
+
+    path = str(tmp_path / "ckpt")
+    one = {"model": {"w": torch.full((4, 3), 1.0)}, "step": torch.tensor(1)}
+    checkpoint.save_sharded(one, path)
+    landed = _save_during_the_read(monkeypatch, path)
+    with pytest.raises(RuntimeError, match="was replaced by another save while being read.*load again"):
+        checkpoint.load_sharded({"model": {"w": torch.zeros(4, 3)}, "step": torch.tensor(0)}, path)
+    assert landed
+    checkpoint.save_sharded(one, path)
+    landed.clear()
+    with pytest.raises(RuntimeError, match="was replaced by another save while being read.*run it again"):
+        consolidate(path, str(tmp_path / "full.pt"))
+    assert landed and sorted(os.listdir(tmp_path)) == ["ckpt"]  # no output, no temporary left
+
+
+def test_saves_through_symlinks_write_the_target_and_keep_the_link(tmp_path):
+    """checkpoint.save replaced a symlink with a regular file, leaving its target (what others
+    read) at the old checkpoint; save_sharded refused a link to a checkpoint as 'not a
+    checkpoint directory'."""
+    real, link = tmp_path / "real.pt", tmp_path / "current.pt"
+    checkpoint.save({"step": 1}, str(real))
+    os.symlink(real, link)
+    checkpoint.save({"step": 2}, str(link))
+    assert os.path.islink(link) and torch.load(real)["step"] == 2
+    real_dir, link_dir = tmp_path / "ckpt.1", tmp_path / "ckpt"
+    checkpoint.save_sharded({"w": torch.ones(2)}, str(real_dir))
+    os.symlink(real_dir, link_dir)
+    checkpoint.save_sharded({"w": torch.full((2,), 2.0)}, str(link_dir))
+    got = {"w": torch.zeros(2)}
+    checkpoint.load_sharded(got, str(real_dir))
+    assert os.path.islink(link_dir) and torch.equal(got["w"], torch.full((2,), 2.0))
+
+
+def test_consolidate_reads_a_checkpoint_left_aside_by_a_killed_fallback_swap(tmp_path):
+    """Killed between the fallback's two renames, the previous checkpoint sits at .NAME.old:
+    load_sharded puts it back, consolidate said there was no checkpoint."""
+    from zeroshard.consolidate import consolidate
+
+    path = str(tmp_path / "ckpt")
+    checkpoint.save_sharded({"w": torch.arange(3.0)}, path)
+    os.rename(path, str(tmp_path / ".ckpt.old"))
+    assert torch.equal(consolidate(path, str(tmp_path / "full.pt"))["w"], torch.arange(3.0))

@@ -517,9 +517,12 @@ def _deepspeed_layout(rank, world_size, ckpt_dir):
           "frozen_param_shapes": None, "shared_params": None, "frozen_param_fragments": None, "lr_scheduler": expected[2],
           "data_sampler": None, "random_ltd": None, "skipped_steps": 0, "global_steps": 2, "global_samples": 32,
           "dp_world_size": world_size, "mp_world_size": 1, "ds_config": {}, "ds_version": "0.19.8",
-          "checkpoint_parallel_dimensions": {"pp": 1, "tp": 1}, "epoch": 3}
+          "checkpoint_parallel_dimensions": {"pp": 1, "tp": 1}, "sparse_tensor_module_names": set(), "epoch": 3}
+    # DeepSpeed's fp16 optimizer's own state dict (FP16_Optimizer.state_dict: fp32 masters flattened per group)
+    ds_fp16 = {"dynamic_loss_scale": True, "cur_scale": 2.0**16, "cur_iter": 2, "optimizer_state_dict": expected[1],
+               "fp32_groups_flat": [torch.zeros(8)], "clip_grad": 0.0}
     if rank == 0:
-        for tag, optimizer in (("ds0", expected[1]), ("ds1", None)):
+        for tag, optimizer in (("ds0", expected[1]), ("ds1", None), ("ds0fp16", ds_fp16)):
             os.makedirs(os.path.join(ckpt_dir, tag))
             torch.save({**ds, "optimizer": optimizer}, os.path.join(ckpt_dir, tag, ds_checkpoint.MODEL_FILE))
         for r in range(world_size):
@@ -550,6 +553,10 @@ def _deepspeed_layout(rank, world_size, ckpt_dir):
     assert restored(zero1, zero1.load_checkpoint(ckpt_dir, tag="ds1", load_optimizer_states=False)[1], False)
     with pytest.raises(ValueError, match="DeepSpeed ZeRO-3 checkpoint.*zero_to_fp32.py"):
         zero1.load_checkpoint(ckpt_dir, tag="ds3")
+    stage0, *_ = _engine(0, seed=1)  # was KeyError('param_groups')
+    with pytest.raises(ValueError, match="DeepSpeed's fp16/bf16 optimizer's .* load_optimizer_states=False"):
+        stage0.load_checkpoint(ckpt_dir, tag="ds0fp16")
+    assert restored(stage0, stage0.load_checkpoint(ckpt_dir, tag="ds0fp16", load_optimizer_states=False)[1], False)
     return True
 
 
@@ -1182,3 +1189,65 @@ def test_a_resumed_fp16_run_keeps_the_configs_loss_scaler_settings(ranks, tmp_pa
         assert (floor, window, hysteresis, scale, same_iter) == (1.0, 50, 3, 4096.0, True) and left <= 2
         msg, floor, window, hysteresis, scale, same_iter, left = out["higher"]
         assert "fp16.min_loss_scale differ" in msg and (floor, scale, same_iter) == (8192.0, 8192.0, True), out
+
+
+def _files_tags_and_one_bad_copy(rank, world_size, ckpt_dir):
+    import shutil
+    import socket
+    import subprocess
+    import sys
+
+    engine, *_ = _engine(3)
+    _train(engine, rank, 1, 0)
+    out = {}
+    # tags that cannot name a folder inside save_dir: 'latest' wrote the checkpoint, then failed on the
+    # 'latest' file (leaving its temporary); '../x' wrote outside; 'a ' was lost by 'latest' (stripped)
+    for tag in ("latest", "../escaped", " a", ""):
+        with pytest.raises(ValueError, match="cannot name a checkpoint folder inside save_dir"):
+            engine.save_checkpoint(ckpt_dir, tag=tag)
+    out["after bad tags"] = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
+    # a killed save's temporary optimizer files: a dead writer's is removed by the next save, a live one's kept
+    folder = os.path.join(ckpt_dir, "t")
+    engine.save_checkpoint(ckpt_dir, tag="t")
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    host = socket.gethostname()
+    names = {"dead": f".zero_optim_states.{'a' * 12}.pt.{host}.{int(dead.stdout)}.{'b' * 12}.tmp",
+             "live": f".zero_optim_states.{'c' * 12}.pt.{host}.{os.getppid()}.{'d' * 12}.tmp"}
+    torch.distributed.barrier()
+    if rank == 0:
+        for name in names.values():
+            open(os.path.join(folder, name), "wb").close()
+    engine.save_checkpoint(ckpt_dir, tag="t")
+    torch.distributed.barrier()
+    out["temporaries left"] = sorted(n for n in os.listdir(folder) if n.endswith(".tmp"))
+    out["live"] = names["live"]
+    # the optimizer file the model file names is missing: said so (was "holds no optimizer state")
+    ckpt = torch.load(os.path.join(folder, ds_checkpoint.MODEL_FILE), weights_only=False)
+    copies = [f"{ckpt_dir}_r{r}" for r in range(world_size)]  # node-local copies of the checkpoint
+    if rank == 0:
+        for copy_dir in copies:
+            shutil.copytree(ckpt_dir, copy_dir)
+        os.remove(os.path.join(copies[0], "t", ckpt["zeroshard"]["optim_file"]))
+        with open(os.path.join(copies[1], "t", ckpt["zeroshard"]["optim_file"]), "r+b") as f:
+            f.truncate(100)
+    torch.distributed.barrier()
+    with pytest.raises(ValueError, match="is missing zero_optim_states.*the optimizer file its model file names"):
+        engine.load_checkpoint(copies[0], tag="t")
+    # one rank's copy is damaged: every rank names it (rank 0 failed in the next collective, unnamed)
+    try:
+        engine.load_checkpoint(f"{ckpt_dir}_r1" if rank == 1 else ckpt_dir, tag="t")
+        out["one bad copy"] = None
+    except (ValueError, RuntimeError) as e:
+        out["one bad copy"] = str(e)
+    return out
+
+
+def test_checkpoint_tags_temporaries_and_unreadable_files(ranks, tmp_path):
+    for rank, out in enumerate(ranks.run(2, _files_tags_and_one_bad_copy, str(tmp_path / "ck"))):
+        assert out["after bad tags"] == [], out
+        assert out["temporaries left"] == [out["live"]], out
+        msg = out["one bad copy"]
+        if rank == 1:
+            assert msg and "is empty or truncated" in msg, msg
+        else:
+            assert msg and "rank 1 could not read the checkpoint" in msg and "is empty or truncated" in msg, msg

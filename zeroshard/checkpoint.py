@@ -15,6 +15,7 @@ readers see the old file or the complete new one, never a prefix. A killed
 save can leave a stale ``.NAME.HOST.PID.*.tmp`` file next to ``path``; the next
 save to ``path`` on that host removes it once that process is gone (never a
 live writer's: two ranks saving to one path must not delete each other's).
+A ``path`` that is a symlink is written through, as ``torch.save`` does.
 
 Sharded (DCP) directories. ``torch.distributed.checkpoint.save`` writes one
 file per rank and then ``.metadata`` into the directory it is given; killed
@@ -23,7 +24,10 @@ midway over an existing checkpoint, it leaves a mix of old and new files.
 after all ranks finished (a barrier), rank 0 swaps it into place in one step
 (Linux ``renameat2(RENAME_EXCHANGE)``; elsewhere two renames, rolled back by
 the next save or load if killed between them) and only then deletes the
-previous checkpoint. :func:`load_sharded` checks the state to load into
+previous checkpoint (a symlinked ``path``: its target). A read (:func:`load_sharded`,
+``consolidate``) that such a swap overtakes raises instead of mixing the two
+checkpoints: DCP opens the data files by name after reading ``.metadata``.
+:func:`load_sharded` checks the state to load into
 against the checkpoint's metadata first, and names the first key, shape,
 dtype or world-size problem on every rank instead of failing inside DCP.
 """
@@ -80,6 +84,19 @@ def _is_stale(tmp_name: str, prefix: str) -> bool:
     return False
 
 
+def remove_stale(directory: str, pattern: str, prefix_of) -> None:
+    """Remove the files matching ``pattern`` in ``directory`` that a killed :func:`save` left
+    (``prefix_of(name)``: the prefix of the path that save wrote, or None for not one of its)."""
+    for stale in glob.glob(os.path.join(glob.escape(directory), pattern)):
+        name = os.path.basename(stale)
+        prefix = prefix_of(name)
+        if prefix is not None and os.path.isfile(stale) and _is_stale(name, prefix):
+            try:
+                os.remove(stale)
+            except FileNotFoundError:
+                pass
+
+
 def _refuse_empty_on_other_ranks(obj, path: str) -> None:
     """FULL state dicts and optimizer state dicts with ``rank0_only=True`` are
     empty on ranks other than 0 (``state_dict.OffRank0``); saved there to rank
@@ -106,15 +123,11 @@ def save(obj, path: str | os.PathLike) -> None:
     Refused when ``obj`` holds the empty dict a rank0_only state dict is on
     ranks other than 0: see ``_refuse_empty_on_other_ranks``.
     """
-    path = os.path.abspath(os.fspath(path))
+    # Through a symlink to the file it names, as torch.save writes (the rename would replace the link)
+    path = os.path.realpath(os.fspath(path))
     _refuse_empty_on_other_ranks(obj, path)
     directory, prefix = os.path.dirname(path), _tmp_prefix(path)
-    for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*.tmp")):
-        if os.path.isfile(stale) and _is_stale(os.path.basename(stale), prefix):  # left by a killed save
-            try:
-                os.remove(stale)
-            except FileNotFoundError:
-                pass
+    remove_stale(directory, glob.escape(prefix) + "*.tmp", lambda name: prefix)
     tmp = os.path.join(directory, prefix + _writer_tag() + os.urandom(6).hex() + ".tmp")
     # Not mkstemp, whose mode 0600 the rename would hand to the checkpoint: 0666 less the umask, as torch.save's open().
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
@@ -268,6 +281,7 @@ def save_sharded(state: dict, path: str | os.PathLike) -> None:
         raise ValueError(f"zeroshard: save_sharded was given different paths: '{first}' on rank 0, '{theirs}' on "
                          f"rank {r}. One checkpoint is one directory, written by every rank. Fix: pass the same path "
                          "on every rank.")
+    path = os.path.realpath(path)  # a symlink to a checkpoint: its target is replaced, the link kept
     state = _plain_tensors_agreed(state)
     tmp = on_rank0(lambda: _prepare(path), "save_sharded (preparing the directory)")
     try:
@@ -293,8 +307,9 @@ def load_sharded(state: dict, path: str | os.PathLike, strict: bool = True) -> N
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
 
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.realpath(os.fspath(path))
     on_rank0(lambda: _recover(path), "load_sharded (recovering an interrupted save)")
+    before = identity(path)
     found = comm.first_problem(_describe_problem(state, path, strict), what="load_sharded: checking the checkpoint")
     if found is not None:
         raise ValueError(found[1])
@@ -307,3 +322,27 @@ def load_sharded(state: dict, path: str | os.PathLike, strict: bool = True) -> N
             "names is missing, truncated or corrupt: the directory changed after its save completed (save_sharded "
             "only swaps in complete checkpoints). The state dict passed in may be partly overwritten; the model and "
             "optimizer are not (their state dicts hold copies). Fix: load another checkpoint.") from e
+    swapped = comm.first_problem(replaced_while_read(path, before), what="load_sharded: checking the directory")
+    if swapped is not None:
+        raise RuntimeError(f"zeroshard: load_sharded (rank {swapped[0]}): {swapped[1]} The state dict passed in "
+                           "holds a mix of the two. Fix: load again (after that save).")
+
+
+def identity(path: str):
+    """What the name ``path`` points at now: a save_sharded swapping in a new checkpoint changes it."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def replaced_while_read(path: str, before) -> str | None:
+    """Why a read of the DCP directory ``path`` that started at ``identity`` ``before`` cannot be
+    trusted, or None. DCP opens the data files by name, one after another; a save to the same
+    path that completes meanwhile swaps the directory, and the rest would be read from the new
+    checkpoint under the old one's metadata."""
+    if identity(path) != before:
+        return (f"'{path}' was replaced by another save while being read (the read began in the "
+                "previous checkpoint and went on in the new one).")
+    return None

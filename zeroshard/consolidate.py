@@ -34,6 +34,11 @@ def consolidate(ckpt_dir: str, out_path: str, key: str | None = None) -> dict:
     ``key`` selects one top-level entry (e.g. ``"model"`` when the checkpoint
     was saved as ``{"model": ..., "optim": ...}``). Returns the state dict.
     """
+    if not os.path.isfile(os.path.join(ckpt_dir, ".metadata")) and os.path.isfile(
+            os.path.join(checkpoint._aside(os.path.abspath(ckpt_dir)), ".metadata")):
+        # a save_sharded killed between its two renames (filesystems without an atomic swap)
+        # left the previous checkpoint aside; the next save or load puts it back, this reads it there
+        ckpt_dir = checkpoint._aside(os.path.abspath(ckpt_dir))
     if not os.path.isfile(os.path.join(ckpt_dir, ".metadata")):
         raise FileNotFoundError(f"zeroshard.consolidate: '{ckpt_dir}' is not a torch.distributed.checkpoint directory "
                                 "(no .metadata file). Fix: pass the path given to dcp.save / checkpoint.save_sharded.")
@@ -45,13 +50,20 @@ def consolidate(ckpt_dir: str, out_path: str, key: str | None = None) -> dict:
     os.makedirs(parent, exist_ok=True)  # checked before reading the whole checkpoint
     tmp = out_path + ".full.tmp"
     # DCP's own offline loader: reads every chunk and places it at its offsets.
+    before = checkpoint.identity(ckpt_dir)
     try:
         dcp_to_torch_save(ckpt_dir, tmp)
+        failed = None
     except CheckpointException as e:  # a BaseException: `except Exception` lets it through
         causes = "; ".join(f"{type(x).__name__}: {x}" for x, _ in e.failures.values()) or str(e)
-        raise RuntimeError(f"zeroshard.consolidate: reading the checkpoint '{ckpt_dir}' failed ({causes}). Its .metadata "
-                           "or a data file it names is missing, truncated or corrupt. Fix: consolidate another "
-                           "checkpoint (save_sharded only swaps in complete ones).") from None
+        failed = (f"reading the checkpoint '{ckpt_dir}' failed ({causes}). Its .metadata or a data file it names is "
+                  "missing, truncated or corrupt. Fix: consolidate another checkpoint (save_sharded only swaps in "
+                  "complete ones).")
+    swapped = checkpoint.replaced_while_read(ckpt_dir, before)
+    if swapped is not None or failed is not None:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise RuntimeError(f"zeroshard.consolidate: {failed if swapped is None else swapped + ' Fix: run it again.'}")
     try:
         state = torch.load(tmp, weights_only=False)
     finally:

@@ -15,12 +15,14 @@ Layout of ``save_dir``:
   form: FSDP's FULL optimizer state dict at stages 2/3, ZeRO-1's gathered flat
   states at stage 1 and for a stage-0 fp16/bf16 master. DeepSpeed writes each
   rank's partition instead (``zero_pp_rank_R_mp_rank_00_optim_states.pt``);
-* ``latest``: the newest tag.
+* ``latest``: the newest tag. A tag names a folder inside ``save_dir``: empty,
+  ``latest``, absolute, ``..`` or space-padded tags are refused.
 
 So the two read each other's model files: DeepSpeed loads a zeroshard
 checkpoint's weights (``load_module_only=True``, or at stage 0 everything),
 and zeroshard loads a DeepSpeed stage 0-2 checkpoint's weights, scheduler and
-counters (and at stage 0 its optimizer); DeepSpeed's partitioned optimizer
+counters (and at stage 0 its optimizer, unless DeepSpeed's fp16/bf16 optimizer
+wrote it: its flattened fp32 masters are refused too); DeepSpeed's partitioned optimizer
 states, and a stage-3 checkpoint's partitioned weights, are refused with the
 route that works (``load_optimizer_states=False``; DeepSpeed's own
 ``zero_to_fp32.py``). Checkpoints of earlier zeroshard versions still load.
@@ -41,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+import re
 import warnings
 
 import torch
@@ -58,7 +61,8 @@ OWN = "zeroshard"  # zeroshard's own entries in the model file
 DS_KEYS = frozenset({
     "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "shared_params", "frozen_param_fragments",
     "lr_scheduler", "data_sampler", "random_ltd", "skipped_steps", "global_steps", "global_samples", "dp_world_size",
-    "mp_world_size", "ds_config", "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info"})
+    "mp_world_size", "ds_config", "ds_version", "checkpoint_parallel_dimensions", "universal_checkpoint_info",
+    "sparse_tensor_module_names"})
 # What a load restores: DeepSpeed's engine does not restore micro_steps, so a
 # resumed run counts its accumulation from 0 whatever micro-step it was saved at.
 _RESTORED = ("global_steps", "global_samples", "skipped_steps")
@@ -100,12 +104,22 @@ def _optimizer_in_model_file(engine) -> bool:
     return engine.stage == 0 and engine.zero1 is None
 
 
+def _check_tag(tag: str) -> str:
+    """A tag names a folder inside save_dir, which 'latest' can name back."""
+    parts = tag.replace(os.sep, "/").split("/")
+    if tag != tag.strip() or tag in ("", ".", "latest") or os.path.isabs(tag) or ".." in parts:
+        raise ValueError(f"zeroshard save_checkpoint: tag {tag!r} cannot name a checkpoint folder inside save_dir "
+                         "(empty, 'latest', absolute, with '..', or with leading or trailing whitespace, which the "
+                         "'latest' file loses, as DeepSpeed strips it). Fix: pass a tag such as 'global_step100'.")
+    return tag
+
+
 def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
          exclude_frozen_parameters: bool = False) -> bool:
     """``Engine.save_checkpoint`` (collective). At stage 3 every rank's
     ``client_state`` is kept (DeepSpeed writes a model file per rank there), and
     each rank gets its own back; at stages 0-2 rank 0's is the one stored."""
-    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
+    tag = _check_tag(str(tag if tag is not None else f"global_step{engine.global_steps}"))
     client_state = dict(client_state or {})
     clash = sorted(map(str, set(client_state) & (DS_KEYS | {OWN})))
     per_rank = client_state if engine.stage == 3 else None
@@ -144,16 +158,28 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
         for old in glob.glob(os.path.join(glob.escape(path), "zero_optim_states*.pt")):
             if os.path.basename(old) != optim_file:  # the previous save's, or a killed one's
                 os.remove(old)
+        # a killed save's temporary optimizer file: its name is random, so no later save writes the same path
+        checkpoint.remove_stale(path, ".zero_optim_states.*.tmp", _optim_tmp_prefix)
         if save_latest:
             tmp = os.path.join(os.fspath(save_dir), f".latest.{os.getpid()}.tmp")
-            with open(tmp, "w") as f:
-                f.write(tag)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))  # atomic, like checkpoint.save
+            try:
+                with open(tmp, "w") as f:
+                    f.write(tag)
+                    f.flush()
+                    os.fsync(f.fileno())
+                os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))  # atomic, like checkpoint.save
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.remove(tmp)
+                raise
 
     checkpoint.on_rank0(write, "save_checkpoint (rank 0 writing the files)")
     return True
+
+
+def _optim_tmp_prefix(name: str) -> str | None:
+    found = re.match(r"\.zero_optim_states\.[0-9a-f]{12}\.pt\.", name)
+    return found.group(0) if found else None
 
 
 def save_16bit(engine, save_dir, save_filename: str) -> bool:
@@ -185,9 +211,19 @@ def _no_model_file(load_dir: str, tag: str) -> ValueError:
 
 def _read_optimizer(engine, ckpt: dict, folder: str, by_deepspeed: bool):
     """The saved optimizer state, checked to be in the form this engine steps."""
-    optim_file = os.path.join(folder, ckpt.get(OWN, {}).get("optim_file") or OPTIM_FILE)  # the one this save wrote
+    named = ckpt.get(OWN, {}).get("optim_file")
+    optim_file = os.path.join(folder, named or OPTIM_FILE)  # the one this save wrote
     if ckpt.get("optimizer") is not None:  # stage 0's, in the model file (zeroshard or DeepSpeed)
         form, osd = "torch", ckpt["optimizer"]
+        if by_deepspeed and not (isinstance(osd, dict) and "param_groups" in osd):
+            raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {folder} is DeepSpeed's fp16/bf16 "
+                             "optimizer's (its fp32 master weights flattened per param group), not a torch optimizer's, "
+                             "which zeroshard cannot map onto its parameters. Fix: load_optimizer_states=False to "
+                             "load the weights, LR scheduler and counters.")
+    elif named is not None and not os.path.isfile(optim_file):
+        raise ValueError(f"zeroshard load_checkpoint: {folder} is missing {named}, the optimizer file its model file "
+                         "names (deleted or not copied with it?). Fix: copy the whole tag folder, or "
+                         "load_optimizer_states=False to load the weights without the optimizer state.")
     elif os.path.isfile(optim_file):
         optim = checkpoint.load(optim_file, weights_only=False)
         form, osd = optim["format"], optim["optimizer"]
@@ -235,21 +271,20 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
         return None, None
     if not found[1]:
         raise _no_model_file(load_dir, str(tag))
-    ckpt = checkpoint.load(path, weights_only=False)
-    legacy = OWN not in ckpt and "client_state" in ckpt and "zero_stage" in ckpt  # zeroshard before DeepSpeed's layout
-    by_deepspeed = OWN not in ckpt and not legacy
-    if legacy:
-        own, client = {"loss_scaler": ckpt["loss_scaler"]}, ckpt["client_state"]
-    else:
-        own, client = ckpt.get(OWN, {}), {k: v for k, v in ckpt.items() if k not in DS_KEYS and k != OWN}
-        per_rank = own.get("client_states")
-        if per_rank is not None and len(per_rank) == engine.world_size:  # a stage-3 save: this rank's own
-            client = per_rank[engine.global_rank]
-    osd = None
-    if load_optimizer_states and not load_module_only and engine.optimizer is not None:
-        osd = _read_optimizer(engine, ckpt, folder, by_deepspeed)
+    # Read and checked on every rank before any collective: a file bad on one rank's copy
+    # (node-local disks) is named on every rank instead of failing the others' next collective.
+    try:
+        ckpt, client, osd, scaler = _read(engine, path, folder, load_optimizer_states, load_module_only)
+        problem = None
+    except Exception as e:  # noqa: BLE001 - re-raised below, and told to the other ranks
+        problem, error = f"{type(e).__name__}: {e}", e
+    bad = comm.first_problem(problem, what="load_checkpoint (reading the checkpoint files)")
+    if bad is not None:
+        if problem is not None:
+            raise error
+        raise RuntimeError(f"zeroshard load_checkpoint: rank {bad[0]} could not read the checkpoint in {folder}: "
+                           f"{bad[1]}")
     # Checks first: nothing below may fail once the weights are loaded.
-    scaler = None if load_module_only else _scaler_state(engine, own.get("loss_scaler"), folder)
     if engine.zero1 is not None and osd is not None:
         engine.zero1.check_state_dict(osd)
     elif osd is not None:
@@ -278,6 +313,25 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
     return path, client
 
 
+def _read(engine, path: str, folder: str, load_optimizer_states: bool, load_module_only: bool):
+    """This rank's model file, client_state, optimizer state and loss-scaler state to load."""
+    ckpt = checkpoint.load(path, weights_only=False)
+    legacy = OWN not in ckpt and "client_state" in ckpt and "zero_stage" in ckpt  # zeroshard before DeepSpeed's layout
+    by_deepspeed = OWN not in ckpt and not legacy
+    if legacy:
+        own, client = {"loss_scaler": ckpt["loss_scaler"]}, ckpt["client_state"]
+    else:
+        own, client = ckpt.get(OWN, {}), {k: v for k, v in ckpt.items() if k not in DS_KEYS and k != OWN}
+        per_rank = own.get("client_states")
+        if per_rank is not None and len(per_rank) == engine.world_size:  # a stage-3 save: this rank's own
+            client = per_rank[engine.global_rank]
+    osd = None
+    if load_optimizer_states and not load_module_only and engine.optimizer is not None:
+        osd = _read_optimizer(engine, ckpt, folder, by_deepspeed)
+    scaler = None if load_module_only else _scaler_state(engine, own.get("loss_scaler"), folder)
+    return ckpt, client, osd, scaler
+
+
 def _scaler_state(engine, saved: dict | None, folder: str) -> dict | None:
     """The fp16 loss-scaler state to resume, decided before anything loads: a dynamic scaler
     takes a dynamic one's position (scale, step count, hysteresis left) and keeps the config's
@@ -300,7 +354,7 @@ def _scaler_state(engine, saved: dict | None, folder: str) -> dict | None:
                       f"{kind(was_dynamic, saved['cur_scale'])} fp16 loss scale, this engine's config asks for a "
                       f"{kind(mine.dynamic, mine.cur_scale)} one, which it keeps (the saved scaler state is not "
                       "loaded). Fix: nothing if the change is meant; else set fp16.loss_scale as when saving.",
-                      stacklevel=4)
+                      stacklevel=5)
     return None
 
 
