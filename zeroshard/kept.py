@@ -36,7 +36,9 @@ def recover_from_interrupted_backward(rt):
     warnings.warn("zeroshard: the previous backward did not complete (an exception inside it?); every unit's "
                   "gradients, also those accumulated before it since the last zero_grad, were dropped and all "
                   "units were resharded. Fix: start the accumulation window again (zero_grad()).", stacklevel=3)
-    reduce.finish_reductions(rt.pending)
+    # Waited for, not applied: every gradient is dropped below (and zero_grad() may have set
+    # NO_SHARD's .grad, the all-reduce's own buffer, to None since)
+    reduce.finish_reductions(rt.pending, apply=False)
     if rt.bucketer is not None:
         rt.bucketer.discard()  # never launched: nothing to match on the other ranks
     for state in rt.states:

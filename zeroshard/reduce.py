@@ -59,7 +59,9 @@ class PendingReduction:
         self.entries, self.work, self.out, self.inp, self.sizes = entries, work, out, inp, sizes
         _spans(entries, trace.span_begin)
 
-    def finish(self):
+    def finish(self, apply: bool = True):
+        """Wait for it (and HSDP's replica all-reduce, which the other ranks issue too); with
+        ``apply``, hand each unit its gradient (without: an interrupted backward drops them)."""
         self.work.wait()
         _spans(self.entries, trace.span_end)
         self.inp = None  # the send buffer may be freed now
@@ -68,6 +70,8 @@ class PendingReduction:
             _spans(self.entries, trace.span_begin, "all_reduce")
             comm.all_reduce(self.out, h0.replicate_group, what=f"replica all-reduce of {_names(self.entries)} gradients")
             _spans(self.entries, trace.span_end, "all_reduce")
+        if not apply:
+            return
         outs = self.out.split(self.sizes) if len(self.entries) > 1 else [self.out]
         for (h, post), out in zip(self.entries, outs):
             _accumulate(h, out, post)
@@ -208,7 +212,7 @@ def flush(bucketer: Bucketer | None) -> list[PendingReduction]:
     return [launch(b) for b in bucketer.flush()] if bucketer is not None else []
 
 
-def finish_reductions(pending: list[PendingReduction]):
-    """Wait for every reduction launched this backward, in launch order."""
+def finish_reductions(pending: list[PendingReduction], apply: bool = True):
+    """Wait for every reduction launched this backward, in launch order (``apply``: see finish)."""
     while pending:
-        pending.pop(0).finish()
+        pending.pop(0).finish(apply)
