@@ -179,3 +179,52 @@ def test_a_nested_unit_state_dict_inside_summon_is_the_plain_blocks(ranks):
     (4b3afac) raised here."""
     for keys in ranks.run(2, _nested_unit_in_summon):
         assert keys and not any("flat_param" in k for k in keys), keys
+
+
+def _load_misuse(rank, world_size, path):
+    model = hfai.FullyShardedDataParallel(build("mlp"), auto_wrap_policy=_policy(), fsdp_group_size=2)
+    _train(model, rank)
+    with model.summon_full_params():
+        full = model.state_dict()
+    local = model.state_dict()
+    torch.save(local, os.path.join(path, f"model{rank}.pt"))
+    torch.distributed.barrier()
+    fresh = hfai.FullyShardedDataParallel(build("mlp", seed=5), auto_wrap_policy=_policy(), fsdp_group_size=2)
+    errors = {}
+    try:  # hfai saves on rank 0 only; a load on rank 0 only left the replicas of different models
+        with fresh.summon_full_params():
+            if rank == 0:
+                fresh.load_state_dict(full)
+    except RuntimeError as e:
+        errors["rank 0 only"] = str(e)
+    for name, call in (("writeback=False", lambda: fresh.summon_full_params(writeback=False)),
+                       ("local inside", fresh.summon_full_params)):
+        try:
+            with call():
+                fresh.load_state_dict(full if name == "writeback=False" else local)
+        except ValueError as e:
+            errors[name] = str(e)
+    for name, other in (("neighbour's file", rank ^ 1), ("replica's file", (rank + 2) % 4)):
+        try:  # the neighbour holds the other half of the group's shards, the replica the same ones
+            fresh.load_state_dict(torch.load(os.path.join(path, f"model{other}.pt")))
+        except ValueError as e:
+            errors[name] = str(e)
+    try:
+        hfai.FullyShardedDataParallel(build("mlp"), fsdp_group_size=True)
+    except ValueError as e:
+        errors["fsdp_group_size=True"] = str(e)
+    x = batch("mlp", rank, 7)
+    return errors, torch.equal(model(x), fresh(x))  # the replica's file restored this rank's own shards
+
+
+def test_hfai_load_misuse_is_refused(ranks, tmp_path):
+    """All of these were accepted silently: a full load inside summon_full_params on rank 0 only
+    (the ranks then held parts of different models), a load inside summon_full_params(writeback=False)
+    (dropped), another rank's local shard file (a wrong model), fsdp_group_size=True (no sharding)."""
+    for rank, (errors, restored) in enumerate(ranks.run(4, _load_misuse, str(tmp_path))):
+        assert sorted(errors) == ["fsdp_group_size=True", "local inside", "neighbour's file", "rank 0 only",
+                                  "writeback=False"], errors
+        assert "ran on some ranks only (on rank 0, not on rank 1)" in errors["rank 0 only"], errors
+        assert "writeback=False" in errors["writeback=False"] and "got a local checkpoint" in errors["local inside"]
+        assert f"shards of rank {(rank ^ 1) % 2} of its shard group, this is rank {rank % 2}" in errors["neighbour's file"]
+        assert "fsdp_group_size=True must be an int" in errors["fsdp_group_size=True"] and restored

@@ -50,6 +50,9 @@ def _default_timeout():
 def block_groups(k: int, name: str = "fsdp_group_size"):
     """(shard group of this rank's block of k, replicate group of its position)."""
     world = dist.get_world_size()
+    if isinstance(k, bool) or not isinstance(k, int):  # True was 1 (no sharding at all), 2.0 passed
+        raise ValueError(f"zeroshard: {name}={k!r} must be an int (the ranks of one shard group). "
+                         "Fix: pass an int that divides the world size, e.g. the ranks per node.")
     if k <= 0 or world % k:
         raise ValueError(
             f"zeroshard: {name}={k} does not divide the world size {world}. "

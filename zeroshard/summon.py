@@ -46,7 +46,9 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
     for h in handles:
         if h.state != HandleState.IDLE:
             raise RuntimeError(f"zeroshard: summon_full_params called while unit '{h.unit_name}' is in {h.state.name.lower()}; "
-                               "it can only run between training steps. Fix: call it outside forward/backward.")
+                               "it can only run between training steps. Fix: call it outside forward/backward (after "
+                               "a backward that raised and was caught, run the next forward first: it puts the units "
+                               "back; torch FSDP1 refuses here too).")
     for h in handles:
         # optimizer.zero_grad() cleared the original parameters' grads but not
         # the flat gradient they viewed; leaving the block re-points them at

@@ -10,10 +10,11 @@ The class is zeroshard's engine with hfai's constructor and checkpoint habits:
 * ``model.summon_full_params()`` is a method; inside it ``state_dict()``
   returns the full parameters under the plain model's keys **without any
   collective** (hfai saves on rank 0 only) and ``load_state_dict()`` writes
-  into them, persisting on exit.
+  into them, persisting on exit; every rank must load (leaving the block checks
+  that, in one small collective), with ``writeback=True``.
 * Outside it, ``state_dict()`` is this rank's flat shards (no communication),
-  tagged with the world and group size so that a load at another layout fails
-  with both named.
+  tagged with the world and group size and the rank's place in its shard group,
+  so that a load at another layout, or of another rank's file, fails with both named.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ import contextlib
 import torch
 import torch.nn as nn
 
-from .. import parent_load
+from .. import comm, parent_load
 from .. import state_dict as sd
 from ..fully_sharded import FLAT_PARAM, FullyShardedDataParallel as _Engine
 from ..options import BackwardPrefetch, ShardingStrategy, StateDictType
@@ -48,15 +49,24 @@ class FullyShardedDataParallel(_Engine):
         for unit in _Engine.fsdp_modules(self):  # auto-wrapped units are engine instances
             unit._state_dict_type = StateDictType.LOCAL_STATE_DICT
         self._fsdp_group_size = fsdp_group_size
-        self._summon_recurse = True
+        self._summon_recurse, self._summon_writeback, self._summon_loaded = True, True, False
 
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):
         """All ranks enter; inside, parameters are full and state_dict() is the plain model's
-        (the block marks its units ``_plain_dicts``)."""
+        (the block marks its units ``_plain_dicts``). A load inside must run on every rank:
+        each writes back only its own shard (checked on leaving the block, one small collective)."""
         with sd.summon_full_params(self, recurse=recurse, writeback=writeback, plain_dicts=True):
-            self._summon_recurse = recurse
+            self._summon_recurse, self._summon_writeback, self._summon_loaded = recurse, writeback, False
             yield
+            loaded = comm.first_difference(self._summon_loaded, what="summon_full_params (did every rank load?)")
+            if loaded is not None:
+                ranks = "rank 0" if loaded[1] else f"rank {loaded[0]}"
+                raise RuntimeError(
+                    f"zeroshard.compat.hfai: load_state_dict() inside summon_full_params() ran on some ranks only (on "
+                    f"{ranks}, not on {f'rank {loaded[0]}' if loaded[1] else 'rank 0'}): each rank writes back only its "
+                    "own shard, so the ranks now hold parts of different models. Fix: load on every rank (hfai saves "
+                    "on rank 0, but every rank loads the file), then run the load again.")
 
     def _check_full(self, call: str) -> None:
         """Inside ``summon_full_params(recurse=False)`` nested units still hold flat shards, not the plain model's keys."""
@@ -67,7 +77,7 @@ class FullyShardedDataParallel(_Engine):
 
     def _layout(self) -> dict:
         replicas = self._replicate_group.size() if self._replicate_group is not None else 1
-        return {"world_size": self.world_size * replicas, "shard_group_size": self.world_size}
+        return {"world_size": self.world_size * replicas, "shard_group_size": self.world_size, "shard_rank": self.rank}
 
     def state_dict(self, *args, destination=None, prefix: str = "", keep_vars: bool = False):
         if sd.passthrough_active():
@@ -82,6 +92,15 @@ class FullyShardedDataParallel(_Engine):
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         if self._plain_dicts:
             self._check_full("load_state_dict()")
+            if not self._summon_writeback:
+                raise ValueError("zeroshard.compat.hfai: load_state_dict() inside summon_full_params(writeback=False): "
+                                 "the loaded values would be dropped on leaving the block. Fix: summon_full_params() "
+                                 "(writeback=True).")
+            if LAYOUT_KEY in state_dict:
+                raise ValueError("zeroshard.compat.hfai: load_state_dict() inside summon_full_params() got a local "
+                                 "checkpoint (this rank's flat shards, saved outside the block). Fix: load it outside "
+                                 "the block, or save a full checkpoint inside summon_full_params().")
+            self._summon_loaded = True
             with sd.plain_module_behaviour():
                 actual = {sd.clean_key(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
             with torch.no_grad(), parent_load.own_load():  # nn.Module's walk over the summoned units, not a parent's
@@ -92,11 +111,16 @@ class FullyShardedDataParallel(_Engine):
             raise ValueError("zeroshard.compat.hfai: load_state_dict() outside summon_full_params() got a full checkpoint "
                              "(the plain model's keys, no flat shards); outside the block it loads this rank's shards. "
                              "Fix: load it inside `with model.summon_full_params(): model.load_state_dict(sd)`.")
-        if saved is not None and saved != self._layout():
+        mine = self._layout()
+        if saved is not None and (saved["world_size"], saved["shard_group_size"]) != (mine["world_size"], mine["shard_group_size"]):
             raise ValueError(
                 f"zeroshard.compat.hfai: this local checkpoint was saved with world size {saved['world_size']} and "
                 f"shard group size {saved['shard_group_size']}, but this model runs with world size "
                 f"{self._layout()['world_size']} and shard group size {self._layout()['shard_group_size']}. Fix: load it "
                 "with the same world size and fsdp_group_size, or save a full checkpoint inside summon_full_params()."
             )
+        if saved is not None and saved.get("shard_rank", mine["shard_rank"]) != mine["shard_rank"]:
+            raise ValueError(f"zeroshard.compat.hfai: this local checkpoint holds the shards of rank {saved['shard_rank']} "
+                             f"of its shard group, this is rank {mine['shard_rank']}. Fix: load on each rank the file that "
+                             "rank saved (e.g. f'model{rank}.pt').")
         return super().load_state_dict(state_dict, strict=strict)
