@@ -168,8 +168,9 @@ class HookedReduction:
     def __init__(self, handle, out: torch.Tensor):
         self.handle, self.out = handle, out
 
-    def finish(self):
-        _accumulate(self.handle, self.out, 1.0, cast=not casts_itself(self.handle.comm_hook[0]))  # the hook divided
+    def finish(self, apply: bool = True):
+        if apply:
+            _accumulate(self.handle, self.out, 1.0, cast=not casts_itself(self.handle.comm_hook[0]))  # the hook divided
 
 
 def _run_hook(handle) -> HookedReduction:
