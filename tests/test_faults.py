@@ -276,7 +276,7 @@ def test_training_resumes_after_an_exception_caught_in_backward():
     assert all(spawn(_train_on_after_caught_backward_fault, 2, timeout=SPAWN_TIMEOUT, pg_timeout=20))
 
 
-def _accumulate_across_caught_fault(rank, world_size, strategy, use_orig_params, sync, zero_grad=False):
+def _accumulate_across_caught_fault(rank, world_size, strategy, use_orig_params, sync, zero_grad=False, hook=False):
     """Micro-batch 1 completes, micro-batch 2's backward raises half-way (after
     blocks.2 reduced, before blocks.0), micro-batch 3 completes, all without
     zero_grad. Every unit then holds micro-batch 3's gradient alone, as a
@@ -290,8 +290,11 @@ def _accumulate_across_caught_fault(rank, world_size, strategy, use_orig_params,
 
     def build():
         torch.manual_seed(0)
-        return zs.FSDP(MLP(n_blocks=3), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
-                       sharding_strategy=zs.ShardingStrategy[strategy], use_orig_params=use_orig_params)
+        m = zs.FSDP(MLP(n_blocks=3), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
+                    sharding_strategy=zs.ShardingStrategy[strategy], use_orig_params=use_orig_params)
+        if hook:  # a communication hook's reductions are finished (and dropped) by the recovery too
+            m.register_comm_hook(zs.comm_hooks.DefaultState(m.process_group), zs.comm_hooks.allreduce_hook)
+        return m
 
     model, clean = build(), build()
     ctx = contextlib.nullcontext if sync else model.no_sync
@@ -314,12 +317,13 @@ def _accumulate_across_caught_fault(rank, world_size, strategy, use_orig_params,
     return said, grads, sum(p.grad is not None for p in model.parameters())
 
 
-@pytest.mark.parametrize("strategy, use_orig_params, sync, zero_grad", [
-    ("FULL_SHARD", False, True, False), ("FULL_SHARD", True, True, False), ("NO_SHARD", False, True, False),
-    ("SHARD_GRAD_OP", True, True, False), ("FULL_SHARD", True, False, False), ("NO_SHARD", False, True, True)])
-def test_a_caught_backward_fault_drops_every_units_gradients_alike(strategy, use_orig_params, sync, zero_grad):
+@pytest.mark.parametrize("strategy, use_orig_params, sync, zero_grad, hook", [
+    ("FULL_SHARD", False, True, False, False), ("FULL_SHARD", True, True, False, False),
+    ("NO_SHARD", False, True, False, False), ("SHARD_GRAD_OP", True, True, False, False),
+    ("FULL_SHARD", True, False, False, False), ("NO_SHARD", False, True, True, False), ("NO_SHARD", False, True, True, True)])
+def test_a_caught_backward_fault_drops_every_units_gradients_alike(strategy, use_orig_params, sync, zero_grad, hook):
     for said, grads, with_grad in spawn(_accumulate_across_caught_fault, 2, strategy, use_orig_params, sync, zero_grad,
-                                        timeout=SPAWN_TIMEOUT, pg_timeout=20):
+                                        hook, timeout=SPAWN_TIMEOUT, pg_timeout=20):
         assert said
         assert with_grad > 0 and all(grads), grads
 
