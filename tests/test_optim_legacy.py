@@ -200,6 +200,40 @@ def test_rekey_optim_state_dict_matches_torch(ranks):
     assert all(ranks.run(2, _rekey))
 
 
+def _rekey_one_parameter_units(rank, world_size):
+    """Each FlatParameter stands for one parameter: its state takes that parameter's name, both
+    ways, as torch's (zeroshard refused any FlatParameter, with a message saying '1 parameters')."""
+    import torch.nn as nn
+
+    out = []
+    for engine in (TF, zs.FSDP):
+        torch.manual_seed(0)
+        plain = nn.Sequential(nn.Linear(5, 7, bias=False), nn.Tanh(), nn.Linear(7, 3, bias=False))
+        policy = (tfsdp.wrap if engine is TF else zs.wrap).ModuleWrapPolicy({nn.Linear})
+        kw = {"device_id": torch.device("cpu")} if engine is TF else {}
+        model = engine(plain, auto_wrap_policy=policy, use_orig_params=False, **kw)
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        for step in range(2):
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * rank + step))
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+        full = _quiet(engine.full_optim_state_dict, model, opt, rank0_only=False)
+        out.append((_quiet(engine.rekey_optim_state_dict, opt.state_dict(), tfsdp.OptimStateKeyType.PARAM_NAME, model,
+                           optim=opt),
+                    _quiet(engine.rekey_optim_state_dict, full, tfsdp.OptimStateKeyType.PARAM_ID, model, optim=opt)))
+    (names_t, ids_t), (names, ids) = out
+    assert sorted(names["state"]) == sorted(names_t["state"]) == ["0.weight", "2.weight"], names["state"].keys()
+    _assert_osd_equal(names_t, names)
+    assert sorted(ids["state"]) == sorted(ids_t["state"]) == [0, 1]
+    _assert_osd_equal(ids_t, ids)
+    return True
+
+
+def test_rekey_names_a_flat_parameter_standing_for_one_parameter_as_torch(ranks):
+    assert all(ranks.run(2, _rekey_one_parameter_units))
+
+
 def _settings(rank, world_size):
     (ref, ours), _ = _engines("gpt", False)
     kinds = ["FULL_STATE_DICT", "LOCAL_STATE_DICT", "SHARDED_STATE_DICT"]

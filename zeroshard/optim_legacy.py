@@ -94,17 +94,18 @@ def flatten_sharded_optim_state_dict(sharded_optim_state_dict: dict, model: nn.M
 
 
 def _param_names(model: nn.Module) -> dict[int, str]:
-    """id(parameter) -> FQN in the plain model. A FlatParameter stands for
-    several parameters, so no one name can key its state: refused, as torch."""
+    """id(parameter) -> FQN in the plain model. A FlatParameter standing for
+    several parameters has no one name to key its state: refused, as torch;
+    one standing for a single parameter takes its name, as torch's does."""
     index = optim_state._param_index(model)
     for kind, _, _, names in index.values():
-        if kind == "flat":
+        if kind == "flat" and len(names) > 1:
             raise RuntimeError(
                 f"zeroshard: rekey_optim_state_dict: the model holds a FlatParameter (use_orig_params=False) "
-                f"standing for {len(names)} parameters ({', '.join(names[:3])}, ...); a state keyed by its ID "
-                "has no single name. Fix: rekey a dict from FSDP.full_optim_state_dict / optim_state_dict (keyed "
-                "by names already), or wrap with use_orig_params=True.")
-    return {pid: names for pid, (kind, _, _, names) in index.items()}
+                f"standing for {len(names)} parameters ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); "
+                "a state keyed by its ID has no single name. Fix: rekey a dict from FSDP.full_optim_state_dict / "
+                "optim_state_dict (keyed by names already), or wrap with use_orig_params=True.")
+    return {pid: names[0] if kind == "flat" else names for pid, (kind, _, _, names) in index.items()}
 
 
 def rekey_optim_state_dict(optim_state_dict: dict, optim_state_key_type: OptimStateKeyType, model: nn.Module,
