@@ -74,7 +74,9 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, gro
 
 def shard_full_optim_state_dict(full_optim_state_dict: dict, model: nn.Module, optim_input=None, optim=None) -> dict:
     """A FULL optimizer state dict (held by every rank) cut to this rank's shards; no communication.
-    Without ``optim`` / ``optim_input`` the dict's own param groups number the parameters, as in torch."""
+    Without ``optim`` / ``optim_input`` the dict's own param groups number the parameters, in
+    their saved order (torch numbers them in ``model.parameters()`` order instead, which gives
+    an optimizer listing them in another order the wrong states)."""
     target = _saved_groups_unless(model, optim_input, optim)
     return optim_load.optim_state_dict_to_load(model, target, full_optim_state_dict, rank0_only=False, agree=False)
 
