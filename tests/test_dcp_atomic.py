@@ -438,8 +438,9 @@ def test_save_sharded_to_a_different_path_on_each_rank_is_refused(ranks, tmp_pat
         assert listed == [], listed
 
 
-def _save_during_the_read(monkeypatch, path):
-    """Make another save_sharded to ``path`` land after the reader read .metadata, before it opens a data file."""
+def _save_during_the_read(monkeypatch, path, saves=1):
+    """Make ``saves`` other save_sharded calls to ``path`` land after the reader read .metadata,
+    before it opens a data file."""
     from torch.distributed.checkpoint import filesystem
 
     real, landed = filesystem.FileSystem.create_stream, []
@@ -447,23 +448,26 @@ def _save_during_the_read(monkeypatch, path):
     def create_stream(self, p, mode):
         if mode == "rb" and str(p).endswith(".distcp") and not landed:
             landed.append(True)
-            checkpoint.save_sharded({"model": {"w": torch.full((4, 3), 2.0)}, "step": torch.tensor(2)}, path)
+            for v in range(2, 2 + saves):
+                checkpoint.save_sharded({"model": {"w": torch.full((4, 3), float(v))}, "step": torch.tensor(v)}, path)
         return real(self, p, mode)
 
     monkeypatch.setattr(filesystem.FileSystem, "create_stream", create_stream)
     return landed
 
 
-def test_a_save_landing_during_a_read_is_an_error_not_a_mix(tmp_path, monkeypatch):
+@pytest.mark.parametrize("saves", [1, 2])
+def test_a_save_landing_during_a_read_is_an_error_not_a_mix(tmp_path, monkeypatch, saves):
     """DCP opens the data files by name after reading .metadata: a save_sharded to the same
     path completing meanwhile swapped the directory, and the read went on in the new checkpoint
-    under the old one's metadata (on 2 ranks: half the tensors from each, silently)."""
+    under the old one's metadata (on 2 ranks: half the tensors from each, silently). Two saves
+    in a row can leave the directory's inode number as it was (ext4 reuses it)."""
     from zeroshard.consolidate import consolidate
 
     path = str(tmp_path / "ckpt")
     one = {"model": {"w": torch.full((4, 3), 1.0)}, "step": torch.tensor(1)}
     checkpoint.save_sharded(one, path)
-    landed = _save_during_the_read(monkeypatch, path)
+    landed = _save_during_the_read(monkeypatch, path, saves)
     with pytest.raises(RuntimeError, match="was replaced by another save while being read.*load again"):
         checkpoint.load_sharded({"model": {"w": torch.zeros(4, 3)}, "step": torch.tensor(0)}, path)
     assert landed
@@ -493,11 +497,14 @@ def test_saves_through_symlinks_write_the_target_and_keep_the_link(tmp_path):
 
 
 def test_consolidate_reads_a_checkpoint_left_aside_by_a_killed_fallback_swap(tmp_path):
-    """Killed between the fallback's two renames, the previous checkpoint sits at .NAME.old:
-    load_sharded puts it back, consolidate said there was no checkpoint."""
+    """Killed between the fallback's two renames, the previous checkpoint sits at .NAME.old
+    (through a symlink: next to its target): load_sharded puts it back, consolidate said there
+    was no checkpoint."""
     from zeroshard.consolidate import consolidate
 
     path = str(tmp_path / "ckpt")
     checkpoint.save_sharded({"w": torch.arange(3.0)}, path)
     os.rename(path, str(tmp_path / ".ckpt.old"))
     assert torch.equal(consolidate(path, str(tmp_path / "full.pt"))["w"], torch.arange(3.0))
+    os.symlink(path, str(tmp_path / "current"))
+    assert torch.equal(consolidate(str(tmp_path / "current"), str(tmp_path / "full.pt"))["w"], torch.arange(3.0))

@@ -1205,6 +1205,8 @@ def _files_tags_and_one_bad_copy(rank, world_size, ckpt_dir):
     for tag in ("latest", "../escaped", " a", ""):
         with pytest.raises(ValueError, match="cannot name a checkpoint folder inside save_dir"):
             engine.save_checkpoint(ckpt_dir, tag=tag)
+    with pytest.raises(ValueError, match="ranks passed different tags"):  # bad on one rank: the others waited
+        engine.save_checkpoint(ckpt_dir, tag="step1" if rank == 0 else "step1 ")
     out["after bad tags"] = sorted(os.listdir(ckpt_dir)) if os.path.isdir(ckpt_dir) else []
     # a killed save's temporary optimizer files: a dead writer's is removed by the next save, a live one's kept
     folder = os.path.join(ckpt_dir, "t")

@@ -224,7 +224,36 @@ def test_hfai_load_misuse_is_refused(ranks, tmp_path):
     for rank, (errors, restored) in enumerate(ranks.run(4, _load_misuse, str(tmp_path))):
         assert sorted(errors) == ["fsdp_group_size=True", "local inside", "neighbour's file", "rank 0 only",
                                   "writeback=False"], errors
-        assert "ran on some ranks only (on rank 0, not on rank 1)" in errors["rank 0 only"], errors
+        assert "was called on some of this model's ranks only (on [0], not on [1, 2, 3])" in errors["rank 0 only"], errors
         assert "writeback=False" in errors["writeback=False"] and "got a local checkpoint" in errors["local inside"]
         assert f"shards of rank {(rank ^ 1) % 2} of its shard group, this is rank {rank % 2}" in errors["neighbour's file"]
         assert "fsdp_group_size=True must be an int" in errors["fsdp_group_size=True"] and restored
+
+
+def _summon_on_part_of_the_job(rank, world_size):
+    """Leaving the block asks only this model's ranks whether they loaded: two models on ranks
+    {0, 1} and {2, 3}, only the first opening the block (the question went to all 4 ranks: a
+    CollectiveError). A rank whose block raised (a failed load) still answers: the others
+    waited for it until the timeout, and are told that a load ran on that rank only."""
+    import time
+
+    group = [torch.distributed.new_group(r) for r in ([0, 1], [2, 3])][rank // 2]
+    model = hfai.FullyShardedDataParallel(build("mlp"), process_group=group, auto_wrap_policy=_policy())
+    if rank < 2:
+        with model.summon_full_params():
+            model.state_dict()
+    torch.distributed.barrier()
+    start, raised = time.monotonic(), ""
+    try:
+        with model.summon_full_params():
+            if rank == 1:
+                model.load_state_dict({"nope": torch.zeros(1)})  # raises on rank 1 only
+    except RuntimeError as e:
+        raised = str(e)
+    return raised, time.monotonic() - start
+
+
+def test_the_load_check_asks_this_models_ranks_and_waits_for_a_raising_one(ranks):
+    (r0, t0), (r1, t1), (r2, t2), (r3, t3) = ranks.run(4, _summon_on_part_of_the_job)
+    assert "(on [1], not on [0])" in r0 and '"nope"' in r1 and r2 == r3 == "", (r0, r1, r2, r3)
+    assert max(t0, t1, t2, t3) < 20

@@ -247,7 +247,8 @@ def _prepare(path: str) -> str:
 
 def _commit(tmp: str, path: str, world_size: int) -> None:
     with open(os.path.join(tmp, SIDECAR), "w") as f:
-        json.dump({"world_size": world_size}, f)
+        # save_id: which save this is, for a read to tell it was overtaken (see identity)
+        json.dump({"world_size": world_size, "save_id": os.urandom(8).hex()}, f)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)  # DCP fsyncs its files; this persists their names
@@ -329,12 +330,18 @@ def load_sharded(state: dict, path: str | os.PathLike, strict: bool = True) -> N
 
 
 def identity(path: str):
-    """What the name ``path`` points at now: a save_sharded swapping in a new checkpoint changes it."""
+    """Which checkpoint the name ``path`` points at now: a save_sharded swapping in a new one
+    changes it. The save's random id (the directory's inode alone repeats: two saves later,
+    ext4 hands the first one's number back), else for a directory DCP wrote itself the inode."""
     try:
         st = os.stat(path)
+        with open(os.path.join(path, SIDECAR)) as f:
+            save_id = json.load(f).get("save_id")
     except FileNotFoundError:
-        return None
-    return st.st_dev, st.st_ino
+        return None if not os.path.exists(path) else (st.st_dev, st.st_ino, None)
+    except (OSError, ValueError, AttributeError):  # a damaged sidecar: its load check says so
+        save_id = None
+    return st.st_dev, st.st_ino, save_id
 
 
 def replaced_while_read(path: str, before) -> str | None:

@@ -34,11 +34,11 @@ def consolidate(ckpt_dir: str, out_path: str, key: str | None = None) -> dict:
     ``key`` selects one top-level entry (e.g. ``"model"`` when the checkpoint
     was saved as ``{"model": ..., "optim": ...}``). Returns the state dict.
     """
-    if not os.path.isfile(os.path.join(ckpt_dir, ".metadata")) and os.path.isfile(
-            os.path.join(checkpoint._aside(os.path.abspath(ckpt_dir)), ".metadata")):
+    aside = checkpoint._aside(os.path.realpath(ckpt_dir))  # a symlink's save sets its target aside
+    if not os.path.isfile(os.path.join(ckpt_dir, ".metadata")) and os.path.isfile(os.path.join(aside, ".metadata")):
         # a save_sharded killed between its two renames (filesystems without an atomic swap)
         # left the previous checkpoint aside; the next save or load puts it back, this reads it there
-        ckpt_dir = checkpoint._aside(os.path.abspath(ckpt_dir))
+        ckpt_dir = aside
     if not os.path.isfile(os.path.join(ckpt_dir, ".metadata")):
         raise FileNotFoundError(f"zeroshard.consolidate: '{ckpt_dir}' is not a torch.distributed.checkpoint directory "
                                 "(no .metadata file). Fix: pass the path given to dcp.save / checkpoint.save_sharded.")

@@ -104,14 +104,14 @@ def _optimizer_in_model_file(engine) -> bool:
     return engine.stage == 0 and engine.zero1 is None
 
 
-def _check_tag(tag: str) -> str:
+def _bad_tag(tag: str) -> ValueError | None:
     """A tag names a folder inside save_dir, which 'latest' can name back."""
     parts = tag.replace(os.sep, "/").split("/")
     if tag != tag.strip() or tag in ("", ".", "latest") or os.path.isabs(tag) or ".." in parts:
-        raise ValueError(f"zeroshard save_checkpoint: tag {tag!r} cannot name a checkpoint folder inside save_dir "
-                         "(empty, 'latest', absolute, with '..', or with leading or trailing whitespace, which the "
-                         "'latest' file loses, as DeepSpeed strips it). Fix: pass a tag such as 'global_step100'.")
-    return tag
+        return ValueError(f"zeroshard save_checkpoint: tag {tag!r} cannot name a checkpoint folder inside save_dir "
+                          "(empty, 'latest', absolute, with '..', or with leading or trailing whitespace, which the "
+                          "'latest' file loses, as DeepSpeed strips it). Fix: pass a tag such as 'global_step100'.")
+    return None
 
 
 def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True,
@@ -119,7 +119,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
     """``Engine.save_checkpoint`` (collective). At stage 3 every rank's
     ``client_state`` is kept (DeepSpeed writes a model file per rank there), and
     each rank gets its own back; at stages 0-2 rank 0's is the one stored."""
-    tag = _check_tag(str(tag if tag is not None else f"global_step{engine.global_steps}"))
+    tag = str(tag if tag is not None else f"global_step{engine.global_steps}")
     client_state = dict(client_state or {})
     clash = sorted(map(str, set(client_state) & (DS_KEYS | {OWN})))
     per_rank = client_state if engine.stage == 3 else None
@@ -127,6 +127,8 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
     if len({t for t, _, _ in seen}) > 1:
         raise ValueError(f"zeroshard save_checkpoint: ranks passed different tags {[t for t, _, _ in seen]}. Fix: pass "
                          "the same tag on every rank.")
+    if _bad_tag(tag) is not None:  # after the comparison: a tag bad on one rank only is a difference there
+        raise _bad_tag(tag)
     if seen[0][1]:  # rank 0's client_state is the one stored
         raise ValueError(f"zeroshard save_checkpoint: client_state keys {seen[0][1]} are entries of the checkpoint itself "
                          "(client_state is merged into the model file, as DeepSpeed does). Fix: rename them.")

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from .. import comm, parent_load
@@ -58,15 +59,30 @@ class FullyShardedDataParallel(_Engine):
         each writes back only its own shard (checked on leaving the block, one small collective)."""
         with sd.summon_full_params(self, recurse=recurse, writeback=writeback, plain_dicts=True):
             self._summon_recurse, self._summon_writeback, self._summon_loaded = recurse, writeback, False
-            yield
-            loaded = comm.first_difference(self._summon_loaded, what="summon_full_params (did every rank load?)")
-            if loaded is not None:
-                ranks = "rank 0" if loaded[1] else f"rank {loaded[0]}"
+            try:
+                yield
+            except BaseException:
+                self._who_loaded()  # the other ranks wait for this rank's answer; its own error goes on
+                raise
+            who = self._who_loaded()
+            if len(set(who.values())) > 1:
+                did = sorted(r for r, v in who.items() if v)
                 raise RuntimeError(
-                    f"zeroshard.compat.hfai: load_state_dict() inside summon_full_params() ran on some ranks only (on "
-                    f"{ranks}, not on {f'rank {loaded[0]}' if loaded[1] else 'rank 0'}): each rank writes back only its "
-                    "own shard, so the ranks now hold parts of different models. Fix: load on every rank (hfai saves "
-                    "on rank 0, but every rank loads the file), then run the load again.")
+                    f"zeroshard.compat.hfai: load_state_dict() inside summon_full_params() was called on some of this model's "
+                    f"ranks only (on {did}, not on {sorted(r for r, v in who.items() if not v)}): each rank writes back "
+                    "only its own shard, so the ranks now hold parts of different models. Fix: load on every rank "
+                    "(hfai saves on rank 0, but every rank loads the file), then run the load again.")
+
+    def _who_loaded(self) -> dict[int, bool]:
+        """Global rank -> whether it loaded inside the block, for every rank of this model
+        (its shard group, then across replicas; not the other ranks of the job)."""
+        what = "summon_full_params (did every rank load?)"
+        shard = self.process_group
+        mine = {dist.get_global_rank(shard, i): v
+                for i, v in enumerate(comm.gather_objects(self._summon_loaded, shard, what))}
+        if self._replicate_group is None:
+            return mine
+        return {r: v for group in comm.gather_objects(mine, self._replicate_group, what) for r, v in group.items()}
 
     def _check_full(self, call: str) -> None:
         """Inside ``summon_full_params(recurse=False)`` nested units still hold flat shards, not the plain model's keys."""

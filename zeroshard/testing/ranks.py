@@ -112,7 +112,8 @@ def _check_world_size(world_size, what: str) -> None:
 def spawn(fn, world_size: int, *args, timeout: float = 180.0, pg_timeout: float = 60.0, threads: int = 1):
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks.
 
-    ``fn`` must be importable (module level). Returns the list of its return
+    ``fn`` must be importable (module level); it and ``args`` reach each rank
+    pickled (tensors are copies, not shared memory). Returns the list of its return
     values by rank. Raises RuntimeError with each failing rank's traceback, or
     TimeoutError after ``timeout`` seconds naming the ranks still running.
     (If every failing rank failed an assertion, a ``ParityError`` say, that
