@@ -309,6 +309,7 @@ def test_the_python_api_refuses_what_the_cli_refuses():
         (model_states, (7e9, 8, "ZERO3"), "strategy"), (model_states, (7e9, 8, "FULL_SHARD", "int8"), "mixed_precision"),
         (estimate_model, (MLP(), 0), "world_size"), (estimate_model, (MLP(), -2), "world_size"),
         (lambda: estimate_model(MLP(), 4, hpz_group_size=3), (), "hpz_group_size"),
+        (lambda: estimate_model(MLP(), 4, strategy="SHARD_GRAD_OP", hpz_group_size=2), (), "hpz_group_size needs"),
         (hpz_tradeoff, (7e9, 64, 0), "k"), (hpz_tradeoff, (7e9, 64, 7), "k"),
         (simulate.simulate, (gpt, 0, "a100-400g", 2, 1024), "gpus"), (simulate.simulate, (gpt, -8, "a100-400g", 2, 1024), "gpus"),
         (simulate.simulate, (gpt, 8, "tpu", 2, 1024), "hardware"),
