@@ -508,3 +508,19 @@ def test_consolidate_reads_a_checkpoint_left_aside_by_a_killed_fallback_swap(tmp
     assert torch.equal(consolidate(path, str(tmp_path / "full.pt"))["w"], torch.arange(3.0))
     os.symlink(path, str(tmp_path / "current"))
     assert torch.equal(consolidate(str(tmp_path / "current"), str(tmp_path / "full.pt"))["w"], torch.arange(3.0))
+
+
+def test_an_unreadable_sidecar_is_no_false_alarm(tmp_path, monkeypatch):
+    """A momentary failure to read the save_id (EMFILE, say) on one side of the comparison fell
+    back to None and reported 'replaced by another save' though nothing was; the inode decides then."""
+    path = str(tmp_path / "ckpt")
+    checkpoint.save_sharded({"w": torch.ones(2)}, path)
+    before = checkpoint.identity(path)
+    assert before[2] is not None
+
+    def emfile(*args, **kwargs):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(checkpoint, "open", emfile, raising=False)
+    assert checkpoint.replaced_while_read(path, before) is None
+    assert checkpoint.identity(str(tmp_path / "none")) is None

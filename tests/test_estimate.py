@@ -321,6 +321,8 @@ def test_the_python_api_refuses_what_the_cli_refuses():
     for fn, args, name in calls:
         with pytest.raises(ValueError, match=name):
             fn(*args)
+    one = estimate_model(MLP(), 1, strategy="SHARD_GRAD_OP", hpz_group_size=1)  # one rank: NO_SHARD, as the engine builds it
+    assert one.strategy == "NO_SHARD" and one.hpz_group_size is None
     frozen = MLP()
     frozen.blocks[0].l1.requires_grad_(False)  # a unit mixing frozen and trainable: the engine refuses it
     with pytest.raises(ValueError, match="use_orig_params"):

@@ -224,7 +224,7 @@ def test_hfai_load_misuse_is_refused(ranks, tmp_path):
     for rank, (errors, restored) in enumerate(ranks.run(4, _load_misuse, str(tmp_path))):
         assert sorted(errors) == ["fsdp_group_size=True", "local inside", "neighbour's file", "rank 0 only",
                                   "writeback=False"], errors
-        assert "was called on some of this model's ranks only (on [0], not on [1, 2, 3])" in errors["rank 0 only"], errors
+        assert "(loaded on [0], raised on [], not called on [1, 2, 3])" in errors["rank 0 only"], errors
         assert "writeback=False" in errors["writeback=False"] and "got a local checkpoint" in errors["local inside"]
         assert f"shards of rank {(rank ^ 1) % 2} of its shard group, this is rank {rank % 2}" in errors["neighbour's file"]
         assert "fsdp_group_size=True must be an int" in errors["fsdp_group_size=True"] and restored
@@ -255,5 +255,53 @@ def _summon_on_part_of_the_job(rank, world_size):
 
 def test_the_load_check_asks_this_models_ranks_and_waits_for_a_raising_one(ranks):
     (r0, t0), (r1, t1), (r2, t2), (r3, t3) = ranks.run(4, _summon_on_part_of_the_job)
-    assert "(on [1], not on [0])" in r0 and '"nope"' in r1 and r2 == r3 == "", (r0, r1, r2, r3)
+    assert "(loaded on [], raised on [1], not called on [0])" in r0 and '"nope"' in r1 and r2 == r3 == "", (r0, r1, r2)
     assert max(t0, t1, t2, t3) < 20
+
+
+def _load_fails_on_one_rank(rank, world_size):
+    """Every rank loads; rank 1's dict has a wrong shape. The others were not told (each had
+    called load), and the replicas then differed."""
+    model = hfai.FullyShardedDataParallel(build("mlp"), auto_wrap_policy=_policy(), fsdp_group_size=2)
+    with model.summon_full_params():
+        full = model.state_dict()
+    if rank == 1:
+        full = {**full, "out.weight": torch.zeros(1)}
+    try:
+        with model.summon_full_params():
+            model.load_state_dict(full)
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def test_a_load_that_fails_on_one_rank_is_an_error_on_every_rank(ranks):
+    errors = ranks.run(4, _load_fails_on_one_rank)
+    assert "size mismatch for _fsdp_wrapped_module.out.weight" in errors[1], errors[1]
+    for r in (0, 2, 3):
+        assert "(loaded on [0, 2, 3], raised on [1], not called on [])" in errors[r], errors[r]
+
+
+def _raises_before_a_collective_in_the_block(rank, world_size):
+    import time
+
+    model = hfai.FullyShardedDataParallel(build("mlp"), auto_wrap_policy=_policy())
+    start = time.monotonic()
+    try:
+        with model.summon_full_params():
+            box = [model.state_dict()] if rank == 0 else [None]
+            if rank == 1:
+                raise FileNotFoundError("rank 1's own problem")  # before the broadcast rank 0 is in
+            torch.distributed.broadcast_object_list(box, src=0)
+    except BaseException as e:  # noqa: BLE001
+        return type(e).__name__, time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+def test_a_rank_raising_before_any_load_keeps_its_own_error():
+    """Its answer to the load check met rank 0's broadcast: both waited out the timeout, and rank
+    1's own error became the CollectiveError's context. A rank that called no load now raises at once."""
+    from zeroshard.testing import spawn
+
+    (_, _), (kind, seconds) = spawn(_raises_before_a_collective_in_the_block, 2, timeout=120, pg_timeout=15)
+    assert kind == "FileNotFoundError" and seconds < 10, (kind, seconds)

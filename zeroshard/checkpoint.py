@@ -335,11 +335,12 @@ def identity(path: str):
     ext4 hands the first one's number back), else for a directory DCP wrote itself the inode."""
     try:
         st = os.stat(path)
+    except OSError:
+        return None
+    try:
         with open(os.path.join(path, SIDECAR)) as f:
             save_id = json.load(f).get("save_id")
-    except FileNotFoundError:
-        return None if not os.path.exists(path) else (st.st_dev, st.st_ino, None)
-    except (OSError, ValueError, AttributeError):  # a damaged sidecar: its load check says so
+    except (OSError, ValueError, AttributeError):  # none (DCP's own directory), damaged or unreadable now
         save_id = None
     return st.st_dev, st.st_ino, save_id
 
@@ -349,7 +350,10 @@ def replaced_while_read(path: str, before) -> str | None:
     trusted, or None. DCP opens the data files by name, one after another; a save to the same
     path that completes meanwhile swaps the directory, and the rest would be read from the new
     checkpoint under the old one's metadata."""
-    if identity(path) != before:
+    now = identity(path)
+    if before is not None and now is not None and None in (before[2], now[2]):
+        now, before = now[:2], before[:2]  # a save_id unknown on one side: the inode alone
+    if now != before:
         return (f"'{path}' was replaced by another save while being read (the read began in the "
                 "previous checkpoint and went on in the new one).")
     return None

@@ -182,7 +182,7 @@ def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, str
         check_count(where, "hpz_group_size", hpz_group_size)
         if world_size % hpz_group_size:  # as the engine refuses it
             raise ValueError(f"{where}: hpz_group_size {hpz_group_size} must divide world_size {world_size}")
-        if strategy != "FULL_SHARD":  # (it was ignored) as the engine refuses it
+        if strategy != "FULL_SHARD" and world_size > 1:  # (it was ignored) as the engine refuses it
             raise ValueError(f"{where}: hpz_group_size needs strategy='FULL_SHARD', not {strategy!r}: only ZeRO-3 "
                              "gathers again for backward. Fix: use FULL_SHARD, or drop hpz_group_size.")
     if param_persistence_threshold is not None:
@@ -248,7 +248,7 @@ def estimate_model(model: nn.Module, world_size: int, auto_wrap_policy=None, str
         held = p.numel() * p.element_size()
         state = [state[0] + held, state[1] + held * p.requires_grad, state[2] + 2 * held * p.requires_grad]
     itemsize = (param_dtype or next((p.dtype for p in owner), torch.float32)).itemsize
-    hpz = hpz_group_size or None
+    hpz = hpz_group_size if strategy == "FULL_SHARD" else None  # (a world of 1 is NO_SHARD, as in the engine)
     secondary = sum(u.padded_numel // hpz * itemsize for u in units[1:] if u.sharded) if hpz else 0
     return ModelEstimate(units, strategy, world_size, sum(p.numel() for p in (*owner, *loose)), *state, working, offload,
                          itemsize, hpz, secondary)

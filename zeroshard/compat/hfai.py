@@ -50,7 +50,7 @@ class FullyShardedDataParallel(_Engine):
         for unit in _Engine.fsdp_modules(self):  # auto-wrapped units are engine instances
             unit._state_dict_type = StateDictType.LOCAL_STATE_DICT
         self._fsdp_group_size = fsdp_group_size
-        self._summon_recurse, self._summon_writeback, self._summon_loaded = True, True, False
+        self._summon_recurse, self._summon_writeback, self._summon_loaded = True, True, None
 
     @contextlib.contextmanager
     def summon_full_params(self, recurse: bool = True, writeback: bool = True):
@@ -58,23 +58,27 @@ class FullyShardedDataParallel(_Engine):
         (the block marks its units ``_plain_dicts``). A load inside must run on every rank:
         each writes back only its own shard (checked on leaving the block, one small collective)."""
         with sd.summon_full_params(self, recurse=recurse, writeback=writeback, plain_dicts=True):
-            self._summon_recurse, self._summon_writeback, self._summon_loaded = recurse, writeback, False
+            self._summon_recurse, self._summon_writeback, self._summon_loaded = recurse, writeback, None
             try:
                 yield
             except BaseException:
-                self._who_loaded()  # the other ranks wait for this rank's answer; its own error goes on
+                # A rank whose load raised tells the others (they may have loaded); one that raised
+                # before any load goes on with its error at once, as it would without this check.
+                if self._summon_loaded is not None:
+                    self._who_loaded()
                 raise
             who = self._who_loaded()
             if len(set(who.values())) > 1:
-                did = sorted(r for r, v in who.items() if v)
+                ranks = {s: sorted(r for r, v in who.items() if v == s) for s in (None, "failed", "done")}
                 raise RuntimeError(
-                    f"zeroshard.compat.hfai: load_state_dict() inside summon_full_params() was called on some of this model's "
-                    f"ranks only (on {did}, not on {sorted(r for r, v in who.items() if not v)}): each rank writes back "
-                    "only its own shard, so the ranks now hold parts of different models. Fix: load on every rank "
-                    "(hfai saves on rank 0, but every rank loads the file), then run the load again.")
+                    f"zeroshard.compat.hfai: load_state_dict() inside summon_full_params() did not load on every rank "
+                    f"of this model (loaded on {ranks['done']}, raised on {ranks['failed']}, not called on "
+                    f"{ranks[None]}): each rank writes back only its own shard, so the ranks now hold parts of "
+                    "different models. Fix: load on every rank (hfai saves on rank 0, but every rank loads the file), "
+                    "then run the load again.")
 
-    def _who_loaded(self) -> dict[int, bool]:
-        """Global rank -> whether it loaded inside the block, for every rank of this model
+    def _who_loaded(self) -> dict[int, str | None]:
+        """Global rank -> its load inside the block ("done", "failed": raised, None: not called), for every rank of this model
         (its shard group, then across replicas; not the other ranks of the job)."""
         what = "summon_full_params (did every rank load?)"
         shard = self.process_group
@@ -116,11 +120,13 @@ class FullyShardedDataParallel(_Engine):
                 raise ValueError("zeroshard.compat.hfai: load_state_dict() inside summon_full_params() got a local "
                                  "checkpoint (this rank's flat shards, saved outside the block). Fix: load it outside "
                                  "the block, or save a full checkpoint inside summon_full_params().")
-            self._summon_loaded = True
+            self._summon_loaded = "failed"  # until it returns
             with sd.plain_module_behaviour():
                 actual = {sd.clean_key(k): k for k in nn.Module.state_dict(self, keep_vars=True)}
             with torch.no_grad(), parent_load.own_load():  # nn.Module's walk over the summoned units, not a parent's
-                return nn.Module.load_state_dict(self, {actual.get(k, k): v for k, v in state_dict.items()}, strict=strict)
+                out = nn.Module.load_state_dict(self, {actual.get(k, k): v for k, v in state_dict.items()}, strict=strict)
+            self._summon_loaded = "done"
+            return out
         state_dict = dict(state_dict)
         saved = state_dict.pop(LAYOUT_KEY, None)
         if saved is None and state_dict and not any(k.endswith(FLAT_PARAM) for k in state_dict):
