@@ -123,9 +123,16 @@ def save(obj, path: str | os.PathLike) -> None:
     Refused when ``obj`` holds the empty dict a rank0_only state dict is on
     ranks other than 0: see ``_refuse_empty_on_other_ranks``.
     """
-    # Through a symlink to the file it names, as torch.save writes (the rename would replace the link)
     path = os.path.realpath(os.fspath(path))
     _refuse_empty_on_other_ranks(obj, path)
+    write_atomic(path, lambda f: torch.save(obj, f))
+
+
+def write_atomic(path: str | os.PathLike, write) -> None:
+    """``write(f)`` into a binary file that replaces ``path`` only once complete (see the module
+    docstring): a temporary file beside it, fsynced, renamed over it."""
+    # Through a symlink to the file it names, as torch.save writes (the rename would replace the link)
+    path = os.path.realpath(os.fspath(path))
     directory, prefix = os.path.dirname(path), _tmp_prefix(path)
     remove_stale(directory, glob.escape(prefix) + "*.tmp", lambda name: prefix)
     tmp = os.path.join(directory, prefix + _writer_tag() + os.urandom(6).hex() + ".tmp")
@@ -133,7 +140,7 @@ def save(obj, path: str | os.PathLike) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
+            write(f)
             f.flush()
             os.fsync(f.fileno())  # the data is on disk before the name points at it
         os.replace(tmp, path)

@@ -127,8 +127,9 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
     if len({t for t, _, _ in seen}) > 1:
         raise ValueError(f"zeroshard save_checkpoint: ranks passed different tags {[t for t, _, _ in seen]}. Fix: pass "
                          "the same tag on every rank.")
-    if _bad_tag(tag) is not None:  # after the comparison: a tag bad on one rank only is a difference there
-        raise _bad_tag(tag)
+    bad = _bad_tag(tag)
+    if bad is not None:  # after the comparison: a tag bad on one rank only is a difference there
+        raise bad
     if seen[0][1]:  # rank 0's client_state is the one stored
         raise ValueError(f"zeroshard save_checkpoint: client_state keys {seen[0][1]} are entries of the checkpoint itself "
                          "(client_state is merged into the model file, as DeepSpeed does). Fix: rename them.")
@@ -163,17 +164,7 @@ def save(engine, save_dir, tag=None, client_state=None, save_latest: bool = True
         # a killed save's temporary optimizer file: its name is random, so no later save writes the same path
         checkpoint.remove_stale(path, ".zero_optim_states.*.tmp", _optim_tmp_prefix)
         if save_latest:
-            tmp = os.path.join(os.fspath(save_dir), f".latest.{os.getpid()}.tmp")
-            try:
-                with open(tmp, "w") as f:
-                    f.write(tag)
-                    f.flush()
-                    os.fsync(f.fileno())
-                os.replace(tmp, os.path.join(os.fspath(save_dir), "latest"))  # atomic, like checkpoint.save
-            except BaseException:
-                if os.path.exists(tmp):
-                    os.remove(tmp)
-                raise
+            checkpoint.write_atomic(os.path.join(os.fspath(save_dir), "latest"), lambda f: f.write(tag.encode()))
 
     checkpoint.on_rank0(write, "save_checkpoint (rank 0 writing the files)")
     return True

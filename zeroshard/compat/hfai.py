@@ -138,7 +138,7 @@ class FullyShardedDataParallel(_Engine):
             raise ValueError(
                 f"zeroshard.compat.hfai: this local checkpoint was saved with world size {saved['world_size']} and "
                 f"shard group size {saved['shard_group_size']}, but this model runs with world size "
-                f"{self._layout()['world_size']} and shard group size {self._layout()['shard_group_size']}. Fix: load it "
+                f"{mine['world_size']} and shard group size {mine['shard_group_size']}. Fix: load it "
                 "with the same world size and fsdp_group_size, or save a full checkpoint inside summon_full_params()."
             )
         if saved is not None and saved.get("shard_rank", mine["shard_rank"]) != mine["shard_rank"]:
