@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from zeroshard import zero1
+from zeroshard import zero1, zero1_state
 from zeroshard.engine import initialize
 
 
@@ -195,3 +195,168 @@ def test_sparse_grads_zero_grad_in_place_and_mixed_dtypes(ranks):
     for sparse, zeroed, mixed in ranks.run(2, _edges):
         assert sparse and zeroed
         assert mixed and "mixes dtypes" in mixed and "torch.float64" in mixed, mixed
+
+
+# ------------------------------------------- found by the session-26 review
+def _wide_dtypes(rank, world_size):
+    """float64 trains as stage 0 (which steps the float64 parameters themselves); complex keeps its imaginary part."""
+    as_stage0 = _same(_train(rank, 1, model=_model().double()), _train(rank, 0, model=_model().double()))
+    torch.manual_seed(0)
+    c = nn.Parameter(torch.randn(6, dtype=torch.complex64))
+    ref = nn.Parameter(c.detach().clone())
+    z = zero1.ZeroOneOptimizer(torch.optim.SGD([c], lr=0.1))
+    opt = torch.optim.SGD([ref], lr=0.1)
+    for p in (c, ref):
+        (p * (rank + 1)).abs().pow(2).sum().backward()
+    ref.grad.div_(world_size)
+    torch.distributed.all_reduce(ref.grad)
+    z.reduce_gradients()
+    z.step()
+    opt.step()
+    return as_stage0, z.parts[0].master.dtype, bool(c.imag.any()), torch.equal(c, ref)
+
+
+def test_float64_and_complex_groups_keep_their_dtype(ranks):
+    """The fp32 master rounded float64 parameters every step and dropped complex ones' imaginary parts."""
+    for as_stage0, dtype, imag, same in ranks.run(2, _wide_dtypes):
+        assert as_stage0 and dtype == torch.complex64 and imag and same
+
+
+def _returned_optimizer(rank, world_size, stage, bf16):
+    engine, opt = _engine(stage, bf16=bf16)
+    engine.backward(engine(_batch(rank, 0)).float().pow(2).mean())
+    opt.zero_grad()  # throw the batch away
+    cleared = all(p.grad is None for p in engine.module.parameters())
+    engine.backward(engine(_batch(rank, 1)).float().pow(2).mean())
+    engine.step()
+    mine = opt.state_dict()
+    other = [None] * world_size
+    torch.distributed.all_gather_object(other, mine)
+    refused = _message(opt.load_state_dict, other[1 - rank])
+    untagged = _message(opt.load_state_dict, {k: v for k, v in mine.items() if k != zero1_state._RANK_KEY})
+    opt.load_state_dict(mine)  # its own loads
+    return cleared, refused, untagged
+
+
+@pytest.mark.parametrize("stage,bf16", [(1, False), (0, True)])
+def test_the_returned_optimizers_zero_grad_and_state_dict(ranks, stage, bf16):
+    """Its zero_grad() cleared only the masters (the discarded batch was trained on); its
+    state_dict() is one rank's chunks, and another rank's loaded silently."""
+    for rank, (cleared, refused, untagged) in enumerate(ranks.run(2, _returned_optimizer, stage, bf16)):
+        assert cleared
+        if stage == 1:  # stage 0's single partition is the same on every rank
+            assert refused and f"rank {1 - rank} of 2's chunks" in refused and "engine.save_checkpoint" in refused, refused
+        else:
+            assert refused is None, refused
+        assert untagged and "no rank tag" in untagged, untagged
+
+
+def _two_reduces(rank, world_size):
+    lin = nn.Linear(3, 3)
+    z = zero1.ZeroOneOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1))
+    for scale in (1.0, 2.0):
+        for q in z.model_params():
+            q.grad = torch.full_like(q, scale)
+        z.reduce_gradients()
+    part = z.parts[0]
+    real = part.layout.shard_end - part.layout.shard_start  # the rest is padding, reduced as zeros
+    summed = bool((part.master.grad[:real] == 3.0).all())
+    z.step()  # no zero_grad: the next backward's gradients, then a step without reducing them
+    for q in z.model_params():
+        q.grad = torch.ones_like(q)
+    stale = _message(z.step)
+    return summed, stale
+
+
+def test_two_reduces_add_up_and_a_step_without_reduce_is_refused(ranks):
+    """A second reduce_gradients() replaced the first; a step() without one, after a step
+    that was not followed by zero_grad, stepped the old master gradients again."""
+    for summed, stale in ranks.run(2, _two_reduces):
+        assert summed
+        assert stale and "reduce_gradients() first" in stale, stale
+
+
+def _swapped_same_shapes(rank, world_size):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 3), nn.LayerNorm(3))
+    norm = list(model[1].parameters())
+    norm = norm if rank == 0 else norm[::-1]  # e.g. from a set
+    nameless = _message(zero1.ZeroOneOptimizer, torch.optim.SGD([{"params": list(model[0].parameters())},
+                                                                 {"params": norm}], lr=0.1))
+    z = zero1.ZeroOneOptimizer(torch.optim.SGD(model[0].parameters(), lr=0.1), model=model)
+    model.extra = nn.Linear(3, 3)  # registered after construction: named now
+    extra = list(model.extra.parameters())
+    later = _message(z.optimizer.add_param_group, {"params": extra if rank == 0 else extra[::-1]})
+    return nameless, later
+
+
+def test_same_shape_parameters_swapped_between_ranks_are_refused(ranks):
+    """Without names (model=None) only shapes were compared: a LayerNorm's weight and bias
+    swapped on one rank passed; a group added later was compared by shape even with model=."""
+    for nameless, later in ranks.run(2, _swapped_same_shapes):
+        assert nameless and "param group 1 lists different parameters" in nameless and "other values" in nameless, nameless
+        assert later and "param group 1" in later and "extra.weight" in later, later
+
+
+def _unfrozen_and_added(rank, world_size):
+    lin = nn.Linear(3, 3)
+    lin.bias.requires_grad_(False)
+    z = zero1.ZeroOneOptimizer(torch.optim.SGD(lin.parameters(), lr=0.1))
+    lin.bias.requires_grad_(True)
+    z.optimizer.add_param_group({"params": [lin.bias]})  # the fix the warning names
+    lin(torch.ones(2, 3)).sum().backward()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        z.reduce_gradients()
+    before = lin.bias.detach().clone()
+    z.step()
+    return [str(w.message) for w in seen], not torch.equal(before, lin.bias)
+
+
+def test_a_parameter_unfrozen_and_added_is_not_warned_about(ranks):
+    for warned, trained in ranks.run(2, _unfrozen_and_added):
+        assert not warned and trained, warned
+
+
+def _stage0_step_after_no_sync(rank, world_size):
+    engine, _ = _engine(0)
+    with engine.no_sync():
+        engine.backward(engine(_batch(rank, 0)).pow(2).mean())
+    return _message(engine.step)
+
+
+def test_stage0_step_after_only_a_no_sync_backward_is_refused(ranks):
+    """Its gradients were never all-reduced: each rank stepped its own and the replicas diverged."""
+    for msg in ranks.run(2, _stage0_step_after_no_sync):
+        assert msg and msg.startswith("RuntimeError") and "inside no_sync()" in msg, msg
+
+
+def _one_tensor_group(rank, world_size):
+    model = _model()
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1}}
+    groups = [{"params": model[0].weight, "lr": 0.1}, {"params": [p for p in model.parameters() if p is not model[0].weight]}]
+    engine, *_ = initialize(model=model, optimizer=lambda ps: torch.optim.SGD(ps, lr=0.01), model_parameters=groups,
+                            config=cfg)
+    return [len(g["params"]) for g in engine.optimizer.param_groups]
+
+
+def test_a_param_group_of_one_tensor_is_accepted(ranks):
+    """torch.optim takes {"params": tensor}; initialize iterated the tensor's rows and refused them."""
+    for sizes in ranks.run(2, _one_tensor_group):
+        assert sizes == [1, 1], sizes
+
+
+def test_initialize_takes_deepspeeds_arguments_in_its_order():
+    """deepspeed.initialize's positional order (0.19): distributed_port was missing, so the 7th
+    positional argument landed in mpu; mesh_param raised TypeError."""
+    import inspect
+
+    deepspeed_order = ["args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler",
+                       "distributed_port", "mpu", "dist_init_required", "collate_fn", "config", "mesh_param",
+                       "config_params"]
+    params = inspect.signature(initialize).parameters
+    assert list(params)[: len(deepspeed_order)] == deepspeed_order
+    assert params["distributed_port"].default == 29500
+    assert params["fsdp_kwargs"].kind is inspect.Parameter.KEYWORD_ONLY
+    msg = _message(initialize, None, nn.Linear(2, 2), None, None, None, None, 29500, None, None, None, {}, object())
+    assert msg and "mesh_param" in msg, msg

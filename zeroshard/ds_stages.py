@@ -78,10 +78,15 @@ def device_for(model: nn.Module, local_rank: int) -> torch.device:
     return p.device if p is not None and p.device.type != "meta" else torch.device("cpu")
 
 
+def _listed(params) -> list:
+    """A param group's ``params`` as a list: one tensor alone is allowed, as torch.optim allows it."""
+    return [params] if torch.is_tensor(params) else list(params)
+
+
 def param_groups(model: nn.Module, model_parameters) -> list:
     if model_parameters is None:
         return [p for p in model.parameters() if p.requires_grad]
-    groups = [{**g, "params": list(g["params"])} if isinstance(g, dict) else g for g in model_parameters]
+    groups = [{**g, "params": _listed(g["params"])} if isinstance(g, dict) else g for g in model_parameters]
     owned = {id(p) for p in model.parameters()}
     for g in groups:
         for p in (g["params"] if isinstance(g, dict) else [g]):

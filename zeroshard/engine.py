@@ -68,18 +68,25 @@ _ENGINE_BACKWARDS = [0]  # engine.backward calls running now (any engine: one mo
 
 
 def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None, lr_scheduler=None,
-               mpu=None, dist_init_required=None, collate_fn=None, config=None, config_params=None, fsdp_kwargs=None):
-    """``deepspeed.initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+               distributed_port=29500, mpu=None, dist_init_required=None, collate_fn=None, config=None, mesh_param=None,
+               config_params=None, *, fsdp_kwargs=None):
+    """``deepspeed.initialize``, with its arguments in its order: returns
+    ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
     ``optimizer``/``lr_scheduler`` may be instances or callables (params ->
     optimizer, optimizer -> scheduler), or come from the config (not both).
-    ``fsdp_kwargs`` (zeroshard extension): extra FullyShardedDataParallel
-    keywords for stages 2/3.
+    ``distributed_port`` is used by DeepSpeed only for MPI discovery, which
+    zeroshard does not do (launch with torchrun): accepted, unused.
+    ``fsdp_kwargs`` (zeroshard extension, keyword only): extra
+    FullyShardedDataParallel keywords for stages 2/3.
     """
     if model is None:
         raise ValueError("zeroshard.initialize: model= is required.")
     if mpu is not None:
         raise ValueError("zeroshard.initialize: model parallelism (mpu=) is not supported. Fix: leave mpu=None.")
+    if mesh_param is not None:
+        raise ValueError("zeroshard.initialize: a data/sequence-parallel mesh (mesh_param=) is not supported: every rank "
+                         "is one data-parallel replica. Fix: leave mesh_param=None.")
     config = config if config is not None else config_params
     if config is None and args is not None:
         config = getattr(args, "deepspeed_config", None)
@@ -114,6 +121,7 @@ class Engine(ConfigGetters, nn.Module):
         self._no_sync = False
         self._backwards = 0  # engine.backward calls since the last optimizer step (see _check_backward)
         self._direct = False  # a backward outside any engine.backward changed this model's gradients
+        self._unreduced = False  # stage 0: gradients from a backward that did not all-reduce them
         self._direct_task = None  # the autograd graph task _saw_backward last looked at
         self.dp_world_size = self.world_size
         self.zero1: ZeroOneOptimizer | None = None
@@ -224,13 +232,17 @@ class Engine(ConfigGetters, nn.Module):
         self._backwards += 1
         if self.stage == 0 and self.is_gradient_accumulation_boundary() and not self._no_sync:
             data_parallel.allreduce_gradients(self.module.parameters(), self.world_size)
+            self._unreduced = False
+        elif self.stage == 0:
+            self._unreduced = True  # until a boundary's backward outside no_sync() all-reduces the sum
         return loss
 
     @contextlib.contextmanager
     def no_sync(self):
         """DeepSpeed's: a ``backward`` inside communicates nothing, even at a boundary;
         the gradients accumulate locally until the next boundary's ``backward`` outside
-        (stage 0) or ``step()`` (ZeRO-1) reduces them all. ``step()`` inside raises.
+        (stage 0) or ``step()`` (ZeRO-1) reduces them all. ``step()`` inside raises, and so
+        does a stage-0 ``step()`` after the block when no such backward followed it.
         Stages 0/1 only: at 2/3 every backward reduce-scatters into the sharded gradient."""
         if self.stage >= 2:
             raise ValueError(f"zeroshard engine: no_sync() at ZeRO stage {self.stage}, whose gradients are sharded as "
@@ -273,10 +285,17 @@ class Engine(ConfigGetters, nn.Module):
         # Decided by every rank together, at every boundary (a rank may have had no batch): at stages 2/3 a
         # rank whose shard holds only frozen elements sees no gradient where the others do.
         direct = self._direct or not self._backwards and any(p.grad is not None for p in self.module.parameters())
-        got = torch.tensor([direct], dtype=torch.int32, device=self.device)
+        # Stage 0 all-reduces in a boundary's backward: one inside no_sync() left the step each rank's own gradients.
+        unreduced = self._unreduced and self.world_size > 1 and any(p.grad is not None for p in self.module.parameters())
+        got = torch.tensor([direct, unreduced], dtype=torch.int32, device=self.device)
         if self.world_size > 1:
             comm.all_reduce(got, dist.group.WORLD, op=dist.ReduceOp.MAX, what="step (gradients without engine.backward?)")
-        if not got.item():
+        if got[1]:
+            raise RuntimeError("zeroshard engine: step() at stage 0 after the accumulation window's last backward ran inside "
+                               "no_sync(): its gradients were never all-reduced, so each rank would step its own and the "
+                               "replicas would diverge. Fix: run the boundary's backward outside no_sync() (it all-reduces "
+                               "the accumulated gradients), or use ZeRO stage 1, which reduces them in step().")
+        if not got[0]:
             return
         does = ("all-reduces them at stage 0" if self.stage == 0 else "scales the fp16 loss" if self.loss_scaler
                 is not None else "divides the loss by gradient_accumulation_steps")
@@ -340,7 +359,7 @@ class Engine(ConfigGetters, nn.Module):
         self._zero_grad()
 
     def _zero_grad(self) -> None:
-        self._direct = False  # the gradients it saw are gone
+        self._direct = self._unreduced = False  # the gradients it saw are gone
         if self.zero1 is not None:
             self.zero1.zero_grad()
         elif self.optimizer is not None:

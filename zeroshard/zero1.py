@@ -37,8 +37,7 @@ fp32 master on this rank. The engine uses that for stage 0 in fp16/bf16 (its
 all-reduce sums the low-precision gradients, this keeps the fp32 master weights,
 the role of DeepSpeed's FP16_Optimizer).
 
-Checkpoints (:meth:`state_dict`) gather each group's master and per-element
-optimizer states into full flat tensors, so they reload at any world size.
+Checkpoints are in ``zero1_state``.
 """
 from __future__ import annotations
 
@@ -51,6 +50,7 @@ import torch.nn as nn
 from . import comm, ext
 from .agreement import first_mismatch
 from .flat_param import FlatLayout, build_layout, changed_elements, shard_of
+from .zero1_state import Zero1Checkpoints
 
 
 class _Partition:
@@ -66,10 +66,17 @@ class _Partition:
         # The plan holds the Parameters themselves (not .detach() aliases), so
         # a later `p.data = ...` is seen and rebuilds it.
         self.write_back = ext.CopyPlan(params, self.offsets)
-        flat = ext.flatten([p.detach().float() for p in params], self.offsets, self.layout.numel)
+        # fp32 for fp16/bf16/fp32 parameters (DeepSpeed's master); a float64 or complex
+        # group keeps its own dtype: a float32 master would round every step, drop imaginary parts.
+        self.dtype = torch.promote_types(params[0].dtype, torch.float32)
         device = master_device or params[0].device
-        self.master = nn.Parameter(shard_of(flat, self.layout).to(device), requires_grad=True)
+        self.master = nn.Parameter(self.from_params().to(device), requires_grad=True)
         self.note_written()
+
+    def from_params(self) -> torch.Tensor:
+        """This rank's chunk of the parameters' current values, in the master's dtype."""
+        flat = ext.flatten([p.detach().to(self.dtype) for p in self.params], self.offsets, self.layout.numel)
+        return shard_of(flat, self.layout)
 
     def seen(self) -> list[tuple[int, int]]:
         """Each parameter's version and address: an in-place edit moves the one, ``p.data =`` the other."""
@@ -85,10 +92,16 @@ class _Partition:
         return out
 
 
+def _value_sum(p: torch.Tensor) -> str:
+    """A parameter's values summed in float64, as exact hex (NaN compares equal to NaN)."""
+    t = p.detach()
+    return float((torch.view_as_real(t) if t.is_complex() else t).double().sum()).hex()
+
+
 _SHAPE_AWARE = ("Adafactor", "Muon")  # torch.optim classes whose update depends on a parameter's shape
 
 
-class ZeroOneOptimizer:
+class ZeroOneOptimizer(Zero1Checkpoints):
     """Shard ``optimizer``'s state over ``process_group`` (ZeRO-1).
 
     ``optimizer`` is a ``torch.optim`` optimizer built over the model's
@@ -97,7 +110,9 @@ class ZeroOneOptimizer:
     hyperparameters and any LR scheduler bound to it stay valid. Call
     :meth:`reduce_gradients`, then :meth:`step`, then :meth:`zero_grad`
     (the inner optimizer's own ``step()`` raises: its masters have no
-    gradient until :meth:`reduce_gradients`). ``model`` (optional) names the
+    gradient until :meth:`reduce_gradients`); its ``zero_grad()`` clears the model's
+    gradients too, and its ``state_dict()`` holds this rank's chunks (see
+    ``zero1_state``). ``model`` (optional) names the
     parameters when the ranks' param groups are compared at construction.
     Parameters edited between steps are taken into the master at the next
     :meth:`reduce_gradients` (see :meth:`_take_edits`).
@@ -121,8 +136,9 @@ class ZeroOneOptimizer:
         self.group, self.master_device = process_group, master_device
         self.world = dist.get_world_size(process_group) if process_group is not None else 1
         self.rank = dist.get_rank(process_group) if process_group is not None else 0
-        self._names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+        self._model = model
         self._stepping = False
+        self._reduced = False  # reduce_gradients() ran since the last step()
         # Whether this rank / any rank had a gradient at the last reduce (see clip_grad_norm_).
         self.had_grads = self.any_grads = True
         self.partitions: list[_Partition | None] = []
@@ -146,6 +162,12 @@ class ZeroOneOptimizer:
         # own unreduced gradients and the replicas would drift apart.
         self._add_to_inner = optimizer.add_param_group
         optimizer.add_param_group = self.add_param_group
+        # Its zero_grad() cleared only the masters, so a batch thrown away with it was still trained on.
+        optimizer.zero_grad = self.zero_grad
+        # Its state_dict() is this rank's chunks only: tagged, so another rank's (a DDP habit: save on
+        # rank 0, load everywhere) is refused instead of silently stepping other elements' moments.
+        self._inner_state_dict, self._inner_load = optimizer.state_dict, optimizer.load_state_dict
+        optimizer.state_dict, optimizer.load_state_dict = self._rank_state_dict, self._load_rank_state_dict
 
     def add_param_group(self, group: dict) -> None:
         """Add a param group (collective in effect: every rank must add the same one)."""
@@ -160,6 +182,8 @@ class ZeroOneOptimizer:
                           "parameters do not require grad and are left out (as at construction): unfrozen later, they "
                           "will not train. Fix: call requires_grad_(True) before add_param_group.", stacklevel=2)
         self._check_same_groups([params], first=len(self.partitions))
+        readded = {id(p) for p in params if p.requires_grad}  # unfrozen since construction, as the warning advised
+        self._left_out = [p for p in self._left_out if id(p) not in readded]
         masters = self._partition(params)
         try:
             self._add_to_inner({**group, "params": masters})
@@ -190,10 +214,14 @@ class ZeroOneOptimizer:
         """Rank r steps chunk r of each group's flat buffer, laid out in the group's order on each rank:
         ranks listing the parameters in other orders (a set's order differs between processes) would
         write each other's values into the wrong parameters. Compares the trainable parameters' names
-        (with ``model``), shapes and dtypes, group by group (collective)."""
+        (with ``model``), shapes and dtypes, group by group (collective). A parameter without a name
+        (no ``model``, or not in it) is compared by the sum of its values too: same-shape parameters
+        (a LayerNorm's weight and bias) swapped would pass a comparison of shapes."""
         if self.world == 1:
             return
-        mine = [[(self._names.get(id(p), f"#{i}"), tuple(p.shape), str(p.dtype))
+        names = {id(p): n for n, p in self._model.named_parameters()} if self._model is not None else {}
+        mine = [[(names[id(p)], tuple(p.shape), str(p.dtype)) if id(p) in names
+                 else (f"#{i}", tuple(p.shape), str(p.dtype), _value_sum(p))
                  for i, p in enumerate(q for q in params if q.requires_grad)] for params in groups]
         differs = comm.first_difference(mine, self.group, "ZeRO-1 construction (comparing the param groups across ranks)")
         if differs is None:
@@ -205,10 +233,14 @@ class ZeroOneOptimizer:
                              f"on rank {r}. Fix: build the same optimizer on every rank.")
         gi, a, b = next((gi, a, b) for gi, (a, b) in enumerate(zip(ours, theirs)) if a != b)
         i, x, y = first_mismatch(a, b)
+        same_shape = all(isinstance(v, (tuple, list)) and len(v) == 4 for v in (x, y)) and list(x[:3]) == list(y[:3])
+        values = "" if not same_shape else (
+            " (the same shape, other values: listed in another order, or the ranks' weights differ; build the "
+            "optimizer after making them the same, and pass model= to compare names instead)")
         raise ValueError(f"zeroshard: ZeRO-1 param group {first + gi} lists different parameters on different ranks (at "
-                         f"position {i}: rank {r0} has {x}, rank {r} has {y}); each rank's chunk of the flat master would "
-                         "update other parameters. Fix: build the same model and list each group's parameters in the "
-                         "same order on every rank (e.g. from model.named_parameters(), not from a set).")
+                         f"position {i}: rank {r0} has {x}, rank {r} has {y}){values}; each rank's chunk of the flat master "
+                         "would update other parameters. Fix: build the same model and list each group's parameters in "
+                         "the same order on every rank (e.g. from model.named_parameters(), not from a set).")
 
     def _check_groups(self) -> None:
         if len(self.optimizer.param_groups) != len(self.partitions):
@@ -255,9 +287,12 @@ class ZeroOneOptimizer:
         for part, out, work in pending:
             if work is not None:
                 work.wait()
-            part.master.grad = out.to(part.master.device, torch.float32)
+            out = out.to(part.master.device, part.dtype)
+            # Added, as .grad accumulates: a second reduce before step() (one per micro-batch) kept only the last.
+            part.master.grad = out if part.master.grad is None else part.master.grad.add_(out)
             for p in part.params:
                 p.grad = None
+        self._reduced = True
 
     def master_grads(self) -> list[torch.Tensor]:
         return [part.master.grad for part in self.parts if part.master.grad is not None]
@@ -269,10 +304,13 @@ class ZeroOneOptimizer:
         :meth:`reduce_gradients` filled in zeros (``any_grads``: else nothing to step)."""
         grads = self.master_grads()
         device = self.parts[0].master.device if self.parts else torch.device("cpu")
-        norms = [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
-        local = torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms else torch.zeros((), device=device)
+        norms = [torch.linalg.vector_norm(g, norm_type) for g in grads]  # real, in the masters' precision
+        acc = torch.float64 if any(n.dtype == torch.float64 for n in norms) else torch.float32
+        local = (torch.linalg.vector_norm(torch.stack([n.to(acc) for n in norms]), norm_type) if norms
+                 else torch.zeros((), device=device))
         inf = norm_type == float("inf")
-        both = torch.stack([local if inf else local**norm_type, torch.tensor(float(self.had_grads), device=device)])
+        had = torch.tensor(float(self.had_grads), dtype=local.dtype, device=device)
+        both = torch.stack([local if inf else local**norm_type, had])
         if self.world > 1:
             comm.all_reduce(both, self.group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                             what=f"ZeRO-1 clip_grad_norm_ ({'max norm' if inf else 'sum of squares'})")
@@ -289,7 +327,8 @@ class ZeroOneOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         """Step the master chunks, then all-gather them into the parameters."""
-        if any(p.grad is not None for p in self.model_params()) and not self.master_grads():
+        if any(p.grad is not None for p in self.model_params()) and not self._reduced:
+            # (master gradients kept from the last step, without zero_grad, would be stepped again)
             raise RuntimeError("zeroshard: ZeRO-1 step() before reduce_gradients(): the model's gradients are not in "
                                "the master chunks, so nothing would be stepped. Fix: call reduce_gradients() first.")
         self._stepping = True
@@ -297,6 +336,7 @@ class ZeroOneOptimizer:
             self.optimizer.step()
         finally:
             self._stepping = False
+        self._reduced = False
         pending = []
         for part in self.parts:
             dtype, device = part.params[0].dtype, part.params[0].device
@@ -345,59 +385,5 @@ class ZeroOneOptimizer:
     def sync_master_from_params(self) -> None:
         """Rebuild the master chunks from the parameters (after loading model weights only)."""
         for part in self.parts:
-            flat = ext.flatten([p.detach().float() for p in part.params], part.offsets, part.layout.numel)
-            part.master.data.copy_(shard_of(flat, part.layout).to(part.master.device))
+            part.master.data.copy_(part.from_params())
             part.note_written()
-
-    # ------------------------------------------------------------ checkpoints
-    def _full(self, part: _Partition, shard: torch.Tensor) -> torch.Tensor:
-        """The whole flat tensor (padding dropped) from every rank's chunk (collective)."""
-        if self.world == 1:
-            return shard.detach().clone()[: part.layout.numel]
-        full = torch.empty(part.layout.padded_numel, dtype=shard.dtype, device=shard.device)
-        comm.all_gather(full, shard.detach().contiguous(), self.group, async_op=False, what="ZeRO-1 checkpoint gather")
-        return full[: part.layout.numel].clone()
-
-    def state_dict(self) -> dict:
-        """World-size independent: full flat masters and states per group (collective: call on every rank)."""
-        self._take_edits()  # else a load would write the master from before them over the saved model
-        inner = self.optimizer.state_dict()
-        groups = []
-        for part in self.partitions:
-            if part is None:
-                groups.append(None)
-                continue
-            st = self.optimizer.state.get(part.master, {})
-            state = {k: self._full(part, v) if torch.is_tensor(v) and v.dim() > 0 else v for k, v in st.items()}
-            groups.append({"numel": part.layout.numel, "master": self._full(part, part.master), "state": state})
-        hparams = [{k: v for k, v in g.items() if k != "params"} for g in inner["param_groups"]]
-        return {"groups": groups, "param_groups": hparams}
-
-    def check_state_dict(self, sd: dict) -> None:
-        """Raise, changing nothing, if :meth:`load_state_dict` could not take ``sd``."""
-        if len(sd["groups"]) != len(self.partitions):
-            raise ValueError(f"zeroshard: the ZeRO-1 checkpoint has {len(sd['groups'])} param groups but the optimizer has "
-                             f"{len(self.partitions)}. Fix: build the optimizer with the param groups used when saving.")
-        for gi, (part, saved) in enumerate(zip(self.partitions, sd["groups"])):
-            if part is not None and (saved is None or saved["numel"] != part.layout.numel):
-                got = None if saved is None else saved["numel"]
-                raise ValueError(f"zeroshard: param group {gi} of the ZeRO-1 checkpoint holds {got} elements but this "
-                                 f"model's group has {part.layout.numel}. Fix: load a checkpoint of the same model.")
-
-    @torch.no_grad()
-    def load_state_dict(self, sd: dict) -> None:
-        """Cut a :meth:`state_dict` (saved at any world size) into this rank's chunks."""
-        self.check_state_dict(sd)  # before the first group is written
-        state, param_groups, index = {}, [], 0
-        for part, saved, hp in zip(self.partitions, sd["groups"], sd["param_groups"]):
-            if part is None:
-                param_groups.append({**hp, "params": []})
-                continue
-            master = saved["master"].to(part.master.device, torch.float32)
-            part.master.data.copy_(shard_of(part.padded(master), part.layout))
-            state[index] = {k: shard_of(part.padded(v), part.layout) if torch.is_tensor(v) and v.dim() > 0 else v
-                            for k, v in saved["state"].items()}
-            param_groups.append({**hp, "params": [index]})
-            index += 1
-            self._write_params(part, master)
-        self.optimizer.load_state_dict({"state": {k: v for k, v in state.items() if v}, "param_groups": param_groups})
