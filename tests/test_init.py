@@ -390,3 +390,37 @@ def test_ignored_modules_at_init_as_torch(ranks):
         assert same
         assert tied == [True, True], tied
         assert meta is not None and "device_id=meta" in meta and "Fix" in meta, meta
+
+
+def _double_wrap_sync(rank, world_size, use_orig_params):
+    model = build("mlp", seed=0)
+    want = [v.clone() for v in model.state_dict().values()]
+    outer = zs.FSDP(zs.FSDP(model, use_orig_params=use_orig_params), sync_module_states=True,
+                    use_orig_params=use_orig_params)
+    return all(torch.equal(a, b) for a, b in zip(outer.state_dict().values(), want))
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_sync_module_states_around_a_wrapped_unit_syncs_nothing_of_it(ranks, use_orig_params):
+    """FSDP(FSDP(m), sync_module_states=True): the outer unit broadcast rank 0's shard over every
+    rank's (use_orig_params=False: every parameter silently wrong) or refused the ranks' shards
+    as 'different models'; torch FSDP1 skips the inner unit's parameters."""
+    assert all(ranks.run(2, _double_wrap_sync, use_orig_params))
+
+
+def _meta_ignored_buffers(rank, world_size):
+    torch.manual_seed(rank)
+    model = nn.Sequential(nn.Linear(2, 2))
+    with torch.device("meta"):
+        model.add_module("norm", nn.BatchNorm1d(2, affine=False))  # fp32 buffers beside fp32 weights
+    wrapped = zs.FSDP(model, sync_module_states=True, ignored_modules=[model.norm])
+    with zs.FSDP.summon_full_params(wrapped):
+        weight = wrapped.module[0].weight.detach().clone()
+    return weight, [b.is_meta for b in model.norm.buffers()]
+
+
+def test_sync_module_states_leaves_an_ignored_modules_meta_buffers(ranks):
+    """They went into the broadcast beside real tensors of their dtype: 'tensors[2] is on meta'.
+    torch FSDP1 leaves them on meta for the user to fill."""
+    (w0, meta0), (w1, meta1) = ranks.run(2, _meta_ignored_buffers)
+    assert torch.equal(w0, w1) and all(meta0) and all(meta1)

@@ -636,3 +636,80 @@ def test_no_false_stale_warning_for_a_no_shard_unit(ranks):
     """A NO_SHARD unit computes on its shard itself: its new values are used, yet a warning said
     the next forward computes with the values gathered before."""
     assert ranks.run(2, _data_edit_after_a_no_sync_forward) == [[], []]
+
+
+class _TwoLinears(nn.Module):
+    def __init__(self, bias=True):
+        super().__init__()
+        self.a = nn.Linear(10, 10, bias=bias)
+        self.b = nn.Linear(10, 10, bias=bias)
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+def _data_of_a_parameter_held_elsewhere(rank, world_size):
+    import zeroshard as zs
+
+    torch.manual_seed(0)
+    w = zs.FSDP(_TwoLinears(bias=False), use_orig_params=True)  # on 2 ranks b.weight is all in rank 1's shard
+    held = w.b.weight.numel()
+    w.b.weight.data = torch.zeros(10, 10)  # the same Parameter, a full-shaped .data
+    try:
+        w(torch.randn(2, 10))
+    except RuntimeError as e:
+        return held, str(e)
+    return held, None
+
+
+def test_a_replaced_data_is_refused_on_ranks_without_a_slice_too(ranks):
+    """Only the rank holding the slice raised; the other went into the all-gather alone and
+    failed there with gloo's error (under NCCL: a hang until the timeout)."""
+    results = ranks.run(2, _data_of_a_parameter_held_elsewhere)
+    assert sorted(held for held, _ in results) == [0, 100]
+    for _, msg in results:
+        assert msg and "'b.weight'" in msg and "was replaced by a tensor of shape (10, 10)" in msg, msg
+
+
+def _data_of_another_dtype(rank, world_size, which, engine):
+    import warnings
+
+    import torch.distributed.fsdp as tfsdp
+
+    import zeroshard as zs
+
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        w = (tfsdp.FullyShardedDataParallel(_TwoLinears(), device_id=torch.device("cpu"), use_orig_params=True)
+             if engine == "torch" else zs.FSDP(_TwoLinears(), use_orig_params=True))
+    with torch.no_grad():
+        for name, p in w.named_parameters():
+            if which == "all" or name.endswith(f"{which}.weight"):
+                p.data = torch.full_like(p, 0.5, dtype=torch.float16 if which == "all" else torch.float64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sd = {k: v.clone() for k, v in w.state_dict().items()}
+    if which == "all":
+        return {k: bool((v == 0.5).all()) for k, v in sd.items()}
+    y = w(torch.ones(2, 10))
+    return y.dtype, y.detach(), sd
+
+
+@pytest.mark.parametrize("which", ["a", "b"])
+def test_data_of_another_dtype_on_one_parameter_is_written_back_as_torch(ranks, which):
+    """p.data = a float64 tensor on the unit's first parameter was taken for a cast of the whole
+    unit to float64 (the forward then failed); torch FSDP1 writes the values into its fp32 shard."""
+    ref = ranks.run(2, _data_of_another_dtype, which, "torch")
+    ours = ranks.run(2, _data_of_another_dtype, which, "zeroshard")
+    for (dt, yt, sdt), (dz, yz, sdz) in zip(ref, ours):
+        assert dt == dz == torch.float32 and torch.equal(yt, yz)
+        assert [k.replace("_fsdp_wrapped_module.", "") for k in sdt] == list(sdz)
+        assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(sdt.values(), sdz.values()))
+
+
+def test_every_parameter_given_data_of_another_dtype_keeps_its_values(ranks):
+    """Taken for a cast (module.half() after wrapping does the same to every parameter), the unit
+    used to cast its old shard and point the parameters at it: the values given were lost."""
+    for loaded in ranks.run(2, _data_of_another_dtype, "all", "zeroshard"):
+        assert loaded and all(loaded.values()), loaded

@@ -190,6 +190,8 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
             raise RuntimeError(f"zeroshard: unit '{self.unit_name}' was cast from {self.dtype} to {now} while it holds "
                                "gathered parameters or gradients. Fix: cast the module before wrapping or between steps "
                                "after optimizer.zero_grad(set_to_none=True) (or use MixedPrecision).")
+        if self.use_orig_params:  # the parameters' values first: a cast's own, or values assigned by hand in `now`
+            self.writeback_orig_params()
         shard = self.local_shard.to(now) if self.use_orig_params else self.flat_param.data
         self.local_shard = self.flat_param.data = shard
         self._set_dtype(now)
@@ -202,8 +204,14 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
             self._placeholder_views()
 
     def param_dtype_now(self) -> torch.dtype:
-        """The dtype the parameters have now: another than ``self.dtype`` after a ``module.to(dtype)``."""
-        return (self.orig_params[0] if self.use_orig_params else self.flat_param).dtype
+        """The dtype the parameters have now: another than ``self.dtype`` after a ``module.to(dtype)``.
+        With ``use_orig_params`` only when every original parameter has it: one given ``p.data`` of
+        another dtype by hand is written back into the shard in the shard's dtype, as torch FSDP1 does
+        (the unit used to be cast when that was its first parameter, and the others stayed behind)."""
+        if not self.use_orig_params:
+            return self.flat_param.dtype
+        now = {p.dtype for p in (info.module._parameters.get(info.name) for info in self.layout.params) if p is not None}
+        return now.pop() if len(now) == 1 else self.dtype
 
     def _follow_data_assignment(self):
         """``flat_param.data = t`` between steps (a re-initialization, weights loaded by

@@ -25,7 +25,10 @@ from . import agreement, comm, ext
 
 
 def unit_modules(root: nn.Module, skip) -> list[nn.Module]:
-    """The unit's modules, breadth-first, not entering ``skip`` (nested units, ignored)."""
+    """The unit's modules, breadth-first, not entering ``skip`` (nested units, ignored).
+    None when ``root`` is itself skipped: ``FSDP(FSDP(m))``, whose inner unit owns them all."""
+    if skip(root):
+        return []
     order, queue, seen = [], collections.deque([root]), {root}
     while queue:
         m = queue.popleft()
@@ -114,6 +117,8 @@ def sync_module_states(root: nn.Module, skip, groups, ignored_params=frozenset()
     for m in unit_modules(root, skip):
         tensors += [t for t in m.parameters(recurse=False) if t not in ignored_params]
     for b in root.buffers():  # nested units synced theirs when they were wrapped
+        if b.is_meta:  # an ignored module's, left for the user to fill (as torch FSDP1): no values to send
+            continue
         if not getattr(b, "_zeroshard_synced", False):
             b._zeroshard_synced = True
             tensors.append(b)

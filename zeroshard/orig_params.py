@@ -265,7 +265,8 @@ class OrigParams:
             self._refuse_plain_tensor(info, now)
             own = self._own_range(i)
             if own is None:  # none here: refuse a replacement where a rank holding a slice does (every rank, then)
-                if isinstance(now, nn.Parameter) and now is not self.orig_params[i] and now.numel():
+                replaced = now is not self.orig_params[i] or not _same_storage(now, self.local_shard)  # or its .data
+                if isinstance(now, nn.Parameter) and replaced and now.numel():
                     held = (self.layout.slice_on(info, r) for r in range(self.world_size))
                     bad = [s.numel_in_shard for s in held if s is not None and s.numel_in_shard
                            and now.shape != torch.Size([s.numel_in_shard])]
