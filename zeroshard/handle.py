@@ -210,7 +210,7 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         (the unit used to be cast when that was its first parameter, and the others stayed behind)."""
         if not self.use_orig_params:
             return self.flat_param.dtype
-        now = {p.dtype for p in (info.module._parameters.get(info.name) for info in self.layout.params) if p is not None}
+        now = {p.dtype for p in self.orig_params}
         return now.pop() if len(now) == 1 else self.dtype
 
     def _follow_data_assignment(self):
