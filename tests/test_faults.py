@@ -342,6 +342,9 @@ def _state_call_on_rank0_only(rank, world_size, flag_path, call):
         return "lingered"
     if call == "optim_state_dict":
         _timed(lambda: zs.FSDP.optim_state_dict(model, opt), flag_path)
+    elif call == "local_state_dict":
+        with zs.FSDP.state_dict_type(model, zs.StateDictType.LOCAL_STATE_DICT):
+            _timed(model.state_dict, flag_path)
     else:
         _timed(lambda: checkpoint.save_sharded(state, os.path.join(os.path.dirname(flag_path), "ckpt")), flag_path)
     return "finished"
@@ -350,6 +353,8 @@ def _state_call_on_rank0_only(rank, world_size, flag_path, call):
 @pytest.mark.parametrize("call, waited_on", [
     ("optim_state_dict", "all_gather_object for optim_state_dict (unit '<root> (MLP)': which ranks hold optimizer state)"),
     ("save_sharded", "all_gather_object for save_sharded (comparing the paths)"),
+    # torch's ShardedTensor exchange, named too (gloo's bare error named neither rank nor call)
+    ("local_state_dict", "all_gather_object for LOCAL state_dict (unit '<root> (MLP)': ShardedTensor metadata)"),
 ])
 def test_state_call_on_one_rank_only_times_out_naming_the_call(tmp_path, call, waited_on):
     with pytest.raises(RuntimeError) as info:
@@ -359,6 +364,46 @@ def test_state_call_on_one_rank_only_times_out_naming_the_call(tmp_path, call, w
     assert f"zeroshard.comm.CollectiveError: zeroshard: rank 0: {waited_on} timed out" in msg, msg
     assert "did not make this call" in msg, msg  # the hint covers this fault
     assert PG_TIMEOUT - 0.5 < _surfaced_after(msg) < PG_TIMEOUT + 5, msg
+
+
+def _rank1_dies_inside_dcp_load(rank, world_size, folder):
+    import torch.distributed.checkpoint as dcp
+
+    model = _model()
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.SHARDED_STATE_DICT):
+        state = {"model": model.state_dict()}
+    checkpoint.save_sharded(state, folder)
+    if rank == 1:
+        dcp.load = lambda *args, **kwargs: os._exit(0)  # gone between the checks and DCP's own collectives
+    checkpoint.load_sharded(state, folder)
+
+
+def test_a_rank_lost_inside_dcp_is_named():
+    """DCP's own gather_object failed with gloo's bare 'Connection reset by peer': no rank, no call."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder, pytest.raises(RuntimeError) as info:
+        spawn(_rank1_dies_inside_dcp_load, 2, os.path.join(folder, "ck"), timeout=SPAWN_TIMEOUT, pg_timeout=20)
+    msg = str(info.value)
+    assert "CollectiveError: zeroshard: rank 0: torch.distributed.checkpoint.load for load_sharded(" in msg, msg
+
+
+def _sync_module_states_on_rank0_only(rank, world_size):
+    torch.manual_seed(0)
+    try:
+        zs.FSDP(MLP(n_blocks=2), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), sync_module_states=rank == 0)
+    except CollectiveError as e:
+        return str(e)
+    return None
+
+
+def test_ranks_in_different_exchanges_say_so():
+    """Rank 0's sync_module_states comparison paired with rank 1's layout comparison: each read the
+    other's data and reported a dtype difference in identical models."""
+    for rank, msg in enumerate(spawn(_sync_module_states_on_rank0_only, 2, timeout=SPAWN_TIMEOUT, pg_timeout=20)):
+        mine, theirs = ("sync_module_states", "construction") if rank == 0 else ("construction", "sync_module_states")
+        assert msg and "the ranks are in different exchanges" in msg, msg
+        assert msg.index(mine) < msg.index(f"rank {1 - rank} in '{theirs}"), msg
 
 
 # ------------------------------------------- 5. SIGKILL during checkpoint.save

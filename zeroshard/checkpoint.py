@@ -293,7 +293,8 @@ def save_sharded(state: dict, path: str | os.PathLike) -> None:
     state = _plain_tensors_agreed(state)
     tmp = on_rank0(lambda: _prepare(path), "save_sharded (preparing the directory)")
     try:
-        dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
+        with comm.named("torch.distributed.checkpoint.save", f"save_sharded('{path}')"):
+            dcp.save(state, checkpoint_id=tmp, no_dist=not _distributed())
         if _distributed():
             # dcp.save already ends with rank 0 writing .metadata after every
             # rank reported its files; the barrier makes "all ranks finished" explicit.
@@ -322,7 +323,8 @@ def load_sharded(state: dict, path: str | os.PathLike, strict: bool = True) -> N
     if found is not None:
         raise ValueError(found[1])
     try:
-        dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+        with comm.named("torch.distributed.checkpoint.load", f"load_sharded('{path}')"):
+            dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
     except CheckpointException as e:  # a BaseException: an `except Exception` would let it through
         causes = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, (x, _) in sorted(e.failures.items()))
         raise RuntimeError(

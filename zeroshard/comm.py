@@ -80,7 +80,8 @@ def _fail(kind: str, what: str, group, err: BaseException):
         f"zeroshard: rank {rank}: {kind} for {what} {cause} on a group of {dist.get_world_size(group)} ranks: {err}\n"
         "Likely causes: another rank died or raised, did not make this call (state_dict, optim_state_dict and "
         "checkpoint saves/loads are collective: every rank calls them), or ranks diverged (a different model or wrap "
-        "policy, or a different number of forward/backward calls on some rank). Fix that rank; the error there names its cause."
+        "policy, or a different number of forward/backward calls on some rank). Fix that rank; the error there names its cause. "
+        "TORCH_DISTRIBUTED_DEBUG=DETAIL names collectives that do not pair (where gloo may abort a rank instead)."
     )
 
 
@@ -95,6 +96,21 @@ class Pending:
             self.work.wait()
         except RuntimeError as e:
             raise _fail(self.kind, self.what, self.group, e) from e
+
+
+@contextlib.contextmanager
+def named(kind: str, what: str, group=None):
+    """Collectives that torch issues inside the block (DCP's save/load, ShardedTensor's
+    metadata exchange), not through this module, named with the rank if they fail:
+    gloo's own error says neither which rank nor which call."""
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:
+        if not dist.is_initialized():
+            raise
+        raise _fail(kind, what, group, e) from e
 
 
 def _issue(kind: str, what: str, group, async_op: bool, call):
@@ -129,10 +145,22 @@ def all_reduce(tensor: torch.Tensor, group, async_op: bool = False, op=dist.Redu
 
 def gather_objects(obj, group=None, what: str = "exchanging metadata") -> list:
     """Every rank's picklable ``obj``, by group rank (``all_gather_object``,
-    named in the error if a rank never joins)."""
+    named in the error if a rank never joins). Each rank sends ``what`` beside
+    ``obj``: ranks that diverged into two different exchanges (a unit more on one
+    rank, an argument given on some ranks only) would otherwise read each other's
+    data as their own and report a wrong cause; every rank raises naming both."""
     everyone = [None] * dist.get_world_size(group)
-    _issue("all_gather_object", what, group, False, lambda: dist.all_gather_object(everyone, obj, group=group))
-    return everyone
+    _issue("all_gather_object", what, group, False, lambda: dist.all_gather_object(everyone, (what, obj), group=group))
+    other = next((r for r, (w, _) in enumerate(everyone) if w != what), None)
+    if other is not None:
+        rank = dist.get_rank()
+        theirs = other if group is None else dist.get_global_rank(group, other)
+        raise CollectiveError(
+            f"zeroshard: rank {rank}: the ranks are in different exchanges: this one in '{what}', rank {theirs} in "
+            f"'{everyone[other][0]}'. The ranks diverged: a different model or wrap policy (a unit more or of another "
+            "class on some rank), different FSDP arguments on some ranks (e.g. sync_module_states), or different calls "
+            "(a state dict or checkpoint call on some ranks only). Fix: build and call the same on every rank.")
+    return [o for _, o in everyone]
 
 
 def broadcast_objects(box: list, src: int, group=None, what: str = "exchanging metadata") -> None:

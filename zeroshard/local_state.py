@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from . import comm
 from .state_dict import (CHECKPOINT_PREFIX, FLAT_PARAM, NO_SHARD_WARNING, WRAPPED_PREFIX, buffer_value, clean_fqn, clean_key,
                          plain_module_behaviour, raise_if_any_rank_failed, shape_mismatch, summoned_copy)
 from .mixed_precision import orig_buffer_dtypes
@@ -99,7 +100,8 @@ def _flat_value(h, offload: bool):
     start, valid = h.layout.shard_start, h.layout.shard_end - h.layout.shard_start
     owner = dist.get_global_rank(h.group, h.rank)  # ShardedTensor places shards by global rank
     shards = [Shard.from_tensor_and_offsets(h.local_shard.detach()[:valid], [start], owner)] if valid else []
-    st = init_from_local_shards(shards, h.layout.numel, process_group=h.group)  # collective: metadata
+    with comm.named("all_gather_object", f"LOCAL state_dict (unit '{h.unit_name}': ShardedTensor metadata)", h.group):
+        st = init_from_local_shards(shards, h.layout.numel, process_group=h.group)  # collective: metadata
     return st.cpu() if offload else st
 
 
