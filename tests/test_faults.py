@@ -406,6 +406,19 @@ def test_ranks_in_different_exchanges_say_so():
         assert msg.index(mine) < msg.index(f"rank {1 - rank} in '{theirs}"), msg
 
 
+def _lazy_init_on_rank0_only(rank, world_size):
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters())
+    if rank == 0:
+        zs.FSDP.fsdp_modules(model, root_only=True)  # a local query: the units get their '<path> (Class)' names here
+    zs.FSDP.optim_state_dict(model, opt)
+    return True
+
+
+def test_an_exchange_named_after_a_unit_renamed_on_one_rank_is_not_refused():
+    assert all(spawn(_lazy_init_on_rank0_only, 2, timeout=SPAWN_TIMEOUT, pg_timeout=20))
+
+
 # ------------------------------------------- 5. SIGKILL during checkpoint.save
 _NUMEL = 1_000_000  # x 5 tensors x 4 bytes = 20 MB per checkpoint
 

@@ -671,7 +671,7 @@ def test_a_replaced_data_is_refused_on_ranks_without_a_slice_too(ranks):
         assert msg and "'b.weight'" in msg and "was replaced by a tensor of shape (10, 10)" in msg, msg
 
 
-def _data_of_another_dtype(rank, world_size, which, engine):
+def _data_of_another_dtype(rank, world_size, which, engine, value=0.5, dtype=torch.float16):
     import warnings
 
     import torch.distributed.fsdp as tfsdp
@@ -686,12 +686,12 @@ def _data_of_another_dtype(rank, world_size, which, engine):
     with torch.no_grad():
         for name, p in w.named_parameters():
             if which == "all" or name.endswith(f"{which}.weight"):
-                p.data = torch.full_like(p, 0.5, dtype=torch.float16 if which == "all" else torch.float64)
+                p.data = torch.full_like(p, value, dtype=dtype if which == "all" else torch.float64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sd = {k: v.clone() for k, v in w.state_dict().items()}
     if which == "all":
-        return {k: bool((v == 0.5).all()) for k, v in sd.items()}
+        return {k: v.dtype == dtype and bool((v == torch.tensor(value, dtype=dtype)).all()) for k, v in sd.items()}
     y = w(torch.ones(2, 10))
     return y.dtype, y.detach(), sd
 
@@ -708,8 +708,10 @@ def test_data_of_another_dtype_on_one_parameter_is_written_back_as_torch(ranks, 
         assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(sdt.values(), sdz.values()))
 
 
-def test_every_parameter_given_data_of_another_dtype_keeps_its_values(ranks):
+@pytest.mark.parametrize("value, dtype", [(0.5, torch.float16), (1 / 3, torch.float64)])
+def test_every_parameter_given_data_of_another_dtype_keeps_its_values(ranks, value, dtype):
     """Taken for a cast (module.half() after wrapping does the same to every parameter), the unit
-    used to cast its old shard and point the parameters at it: the values given were lost."""
-    for loaded in ranks.run(2, _data_of_another_dtype, "all", "zeroshard"):
+    used to cast its old shard and point the parameters at it: the values given were lost (and
+    then, float64 ones went through the fp32 shard first)."""
+    for loaded in ranks.run(2, _data_of_another_dtype, "all", "zeroshard", value, dtype):
         assert loaded and all(loaded.values()), loaded

@@ -198,6 +198,16 @@ def test_sparse_grads_zero_grad_in_place_and_mixed_dtypes(ranks):
 
 
 # ------------------------------------------- found by the session-26 review
+def _float64_model_in_bf16(rank, world_size):
+    engine, _ = _engine(1, model=_model().double(), bf16=True)
+    return next(engine.module.parameters()).dtype, engine.zero1.parts[0].master.dtype
+
+
+def test_a_float64_model_trained_in_bf16_gets_an_fp32_master(ranks):
+    """The master was built before the model's cast to bf16, from its float64 parameters."""
+    assert ranks.run(2, _float64_model_in_bf16) == [(torch.bfloat16, torch.float32)] * 2
+
+
 def _wide_dtypes(rank, world_size):
     """float64 trains as stage 0 (which steps the float64 parameters themselves); complex keeps its imaginary part."""
     as_stage0 = _same(_train(rank, 1, model=_model().double()), _train(rank, 0, model=_model().double()))
@@ -235,20 +245,27 @@ def _returned_optimizer(rank, world_size, stage, bf16):
     refused = _message(opt.load_state_dict, other[1 - rank])
     untagged = _message(opt.load_state_dict, {k: v for k, v in mine.items() if k != zero1_state._RANK_KEY})
     opt.load_state_dict(mine)  # its own loads
-    return cleared, refused, untagged
+    rank0s = [mine]
+    torch.distributed.broadcast_object_list(rank0s, src=0)
+    everywhere = _message(opt.load_state_dict, rank0s[0])  # the DDP habit: rank 0's file on every rank
+    return cleared, refused, untagged, everywhere
 
 
 @pytest.mark.parametrize("stage,bf16", [(1, False), (0, True)])
 def test_the_returned_optimizers_zero_grad_and_state_dict(ranks, stage, bf16):
     """Its zero_grad() cleared only the masters (the discarded batch was trained on); its
     state_dict() is one rank's chunks, and another rank's loaded silently."""
-    for rank, (cleared, refused, untagged) in enumerate(ranks.run(2, _returned_optimizer, stage, bf16)):
+    for cleared, refused, untagged, everywhere in ranks.run(2, _returned_optimizer, stage, bf16):
         assert cleared
         if stage == 1:  # stage 0's single partition is the same on every rank
-            assert refused and f"rank {1 - rank} of 2's chunks" in refused and "engine.save_checkpoint" in refused, refused
+            # the first rank's problem, on every rank
+            assert refused and "on rank 0 of 2 the state dict holds rank 1 of 2's chunks" in refused, refused
+            assert "engine.save_checkpoint" in refused, refused
+            # refused on rank 0 too, which holds its own: it used to train on alone into the next collective
+            assert everywhere and "on rank 1 of 2 the state dict holds rank 0 of 2's chunks" in everywhere, everywhere
         else:
-            assert refused is None, refused
-        assert untagged and "no rank tag" in untagged, untagged
+            assert refused is None and everywhere is None, (refused, everywhere)
+        assert untagged and "no ZeRO-1 rank tag" in untagged, untagged
 
 
 def _two_reduces(rank, world_size):
@@ -265,15 +282,33 @@ def _two_reduces(rank, world_size):
     for q in z.model_params():
         q.grad = torch.ones_like(q)
     stale = _message(z.step)
-    return summed, stale
+    z.reduce_gradients()
+    z.zero_grad()  # the reduced batch thrown away: the next one needs its own reduce
+    for q in z.model_params():
+        q.grad = torch.ones_like(q)
+    return summed, stale, _message(z.step)
 
 
 def test_two_reduces_add_up_and_a_step_without_reduce_is_refused(ranks):
     """A second reduce_gradients() replaced the first; a step() without one, after a step
     that was not followed by zero_grad, stepped the old master gradients again."""
-    for summed, stale in ranks.run(2, _two_reduces):
+    for summed, stale, after_zero_grad in ranks.run(2, _two_reduces):
         assert summed
-        assert stale and "reduce_gradients() first" in stale, stale
+        for msg in (stale, after_zero_grad):
+            assert msg and "reduce_gradients() first" in msg, msg
+
+
+def _thread_counts_differ(rank, world_size):
+    torch.set_num_threads(1 if rank == 0 else 2)
+    torch.manual_seed(0)
+    big = nn.Linear(2000, 2000)  # a float64 sum of its values depends on the thread count
+    return _message(zero1.ZeroOneOptimizer, torch.optim.SGD(big.parameters(), lr=0.1))
+
+
+def test_the_value_check_holds_whatever_the_thread_count(ranks):
+    """The first checksum was a float64 sum: ranks with other thread counts summed the same
+    weights to other last bits and were refused as holding different parameters."""
+    assert ranks.run(2, _thread_counts_differ) == [None, None]
 
 
 def _swapped_same_shapes(rank, world_size):

@@ -156,11 +156,11 @@ class Engine(ConfigGetters, nn.Module):
         if self.stage >= 2:
             wrapped = ds_stages.wrap_fsdp(model, self.stage, cfg.zero, dtype, self.device, dict(fsdp_kwargs or {}))
         else:
+            if dtype is not None:  # first: the master's dtype follows the parameters' (fp32 for bf16, not a float64 model's)
+                model.to(dtype)
             if opt is not None and (self.stage == 1 or dtype is not None):
                 master_device = torch.device("cpu") if cfg.zero.offload_optimizer else None
                 self.zero1 = ZeroOneOptimizer(opt, dist.group.WORLD if self.stage == 1 else None, master_device, model)
-            if dtype is not None:
-                model.to(dtype)
             wrapped = model
         self.module = wrapped  # DeepSpeedEngine's name: engine.state_dict() keys read "module.<name>"
         self.optimizer = opt

@@ -190,10 +190,10 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
             raise RuntimeError(f"zeroshard: unit '{self.unit_name}' was cast from {self.dtype} to {now} while it holds "
                                "gathered parameters or gradients. Fix: cast the module before wrapping or between steps "
                                "after optimizer.zero_grad(set_to_none=True) (or use MixedPrecision).")
-        if self.use_orig_params:  # the parameters' values first: a cast's own, or values assigned by hand in `now`
-            self.writeback_orig_params()
         shard = self.local_shard.to(now) if self.use_orig_params else self.flat_param.data
         self.local_shard = self.flat_param.data = shard
+        if self.use_orig_params:  # then the parameters' values, in `now`: a cast's own, or values assigned by hand
+            self.writeback_orig_params()
         self._set_dtype(now)
         self._new_full_buffers()
         if self.use_orig_params:

@@ -180,7 +180,9 @@ def _gather_unit(h, prefix: str, states_of: dict, finish) -> dict[str, dict]:
     # rank cannot know its dtype or step): exchange what each rank has.
     spec = _local_spec(states)
     if h.sharded and h.world_size > 1:
-        specs = comm.gather_objects(spec, h.group, f"optim_state_dict (unit '{h.unit_name}': which ranks hold optimizer state)")
+        # tag: the unit's name is '<path> (Class)' only after a lazy init that may have run on some ranks alone
+        specs = comm.gather_objects(spec, h.group, f"optim_state_dict (unit '{h.unit_name}': which ranks hold optimizer state)",
+                                    tag="optim_state_dict (which ranks hold optimizer state)")
     else:
         specs = [spec]
     merged: dict[int, dict] = {}

@@ -92,17 +92,20 @@ class _Partition:
         return out
 
 
-def _value_sum(p: torch.Tensor) -> str:
-    """A parameter's values summed in float64, as exact hex (NaN compares equal to NaN)."""
-    t = p.detach()
-    return float((torch.view_as_real(t) if t.is_complex() else t).double().sum()).hex()
+def _value_sum(p: torch.Tensor) -> int:
+    """A checksum of a parameter's bits: their words summed as integers (modulo 2**64), exact in
+    any order, so the same on every rank whatever its thread count (a float sum is not)."""
+    b = p.detach().contiguous().reshape(-1).view(torch.uint8)
+    word = next(d for n, d in ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8)) if b.numel() % n == 0)
+    return int(b.view(word).sum(dtype=torch.int64))
 
 
 _SHAPE_AWARE = ("Adafactor", "Muon")  # torch.optim classes whose update depends on a parameter's shape
 
 
 class ZeroOneOptimizer(Zero1Checkpoints):
-    """Shard ``optimizer``'s state over ``process_group`` (ZeRO-1).
+    """Shard ``optimizer``'s state over ``process_group`` (ZeRO-1); the master is fp32 for
+    fp16/bf16/fp32 parameters, a float64 or complex group's own dtype otherwise.
 
     ``optimizer`` is a ``torch.optim`` optimizer built over the model's
     parameters and not stepped yet; its param groups are re-pointed, in
@@ -183,13 +186,14 @@ class ZeroOneOptimizer(Zero1Checkpoints):
                           "will not train. Fix: call requires_grad_(True) before add_param_group.", stacklevel=2)
         self._check_same_groups([params], first=len(self.partitions))
         readded = {id(p) for p in params if p.requires_grad}  # unfrozen since construction, as the warning advised
-        self._left_out = [p for p in self._left_out if id(p) not in readded]
+        left_out = [p for p in self._left_out if id(p) not in readded]
         masters = self._partition(params)
         try:
             self._add_to_inner({**group, "params": masters})
         except BaseException:  # refused by torch: no partition without its group
             self.partitions.pop()
             raise
+        self._left_out = left_out
 
     def _only_inside_step(self, optimizer, args, kwargs) -> None:
         if not self._stepping:
@@ -215,7 +219,7 @@ class ZeroOneOptimizer(Zero1Checkpoints):
         ranks listing the parameters in other orders (a set's order differs between processes) would
         write each other's values into the wrong parameters. Compares the trainable parameters' names
         (with ``model``), shapes and dtypes, group by group (collective). A parameter without a name
-        (no ``model``, or not in it) is compared by the sum of its values too: same-shape parameters
+        (no ``model``, or not in it) is compared by a checksum of its values too: same-shape parameters
         (a LayerNorm's weight and bias) swapped would pass a comparison of shapes."""
         if self.world == 1:
             return
@@ -373,6 +377,7 @@ class ZeroOneOptimizer(Zero1Checkpoints):
             part.note_written()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._reduced = False  # what a reduce put in the masters is gone: step() needs another
         for part in self.parts:
             part.master.grad = None
             for p in part.params:

@@ -1,6 +1,6 @@
 """Checkpoints of ZeRO-1's sharded optimizer state (zero1.ZeroOneOptimizer's).
 
-Rank r holds chunk r of each param group's flat fp32 master and of the inner
+Rank r holds chunk r of each param group's flat master and of the inner
 optimizer's per-element states. Two forms:
 
 * :meth:`Zero1Checkpoints.state_dict` gathers every chunk into full flat tensors
@@ -30,16 +30,24 @@ class Zero1Checkpoints:
         return {**self._inner_state_dict(), _RANK_KEY: {"rank": self.rank, "world": self.world}}
 
     def _load_rank_state_dict(self, sd: dict) -> None:
-        """The inner optimizer's ``load_state_dict``: only what :meth:`_rank_state_dict` gave on this rank."""
+        """The inner optimizer's ``load_state_dict``: only what :meth:`_rank_state_dict` gave on this
+        rank. Collective where sharded: rank 0 loading its own dict would train on alone, into the
+        next collective, while the others refuse theirs."""
         here = {"rank": self.rank, "world": self.world}
         saved = sd.get(_RANK_KEY) if isinstance(sd, dict) else None
+        problem = None
         if saved != here:
             what = (f"rank {saved['rank']} of {saved['world']}'s chunks" if isinstance(saved, dict) and saved.keys() == here.keys()
-                    else "not a ZeRO-1 optimizer's state (no rank tag)")
-            raise ValueError(f"zeroshard: ZeRO-1's optimizer.load_state_dict on rank {self.rank} of {self.world}: the state "
-                             f"dict holds {what}; each rank's optimizer holds only its own chunk of the flat master. Fix: "
-                             "save and load with ZeroOneOptimizer.state_dict()/load_state_dict() (collective, any world "
-                             "size) or engine.save_checkpoint()/load_checkpoint(), or give each rank its own state_dict().")
+                    else "no ZeRO-1 rank tag (a plain optimizer's state, or saved before zeroshard tagged them)")
+            problem = f"on rank {self.rank} of {self.world} the state dict holds {what}"
+        if self.world > 1:
+            found = comm.first_problem(problem, self.group, "ZeRO-1 optimizer.load_state_dict (checking whose chunks)")
+            problem = found[1] if found is not None else None
+        if problem is not None:
+            raise ValueError(f"zeroshard: ZeRO-1's optimizer.load_state_dict: {problem}; each rank's optimizer holds only "
+                             "its own chunk of the flat master. Fix: save and load with ZeroOneOptimizer.state_dict()/"
+                             "load_state_dict() (collective, any world size) or engine.save_checkpoint()/"
+                             "load_checkpoint(), or give each rank its own state_dict().")
         self._inner_load({k: v for k, v in sd.items() if k != _RANK_KEY})
 
     def _full(self, part, shard: torch.Tensor) -> torch.Tensor:
