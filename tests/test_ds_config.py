@@ -516,3 +516,19 @@ def test_accelerate_yaml_no_read_as_false_and_the_legacy_fp16_key():
     assert "mixed_precision" not in from_accelerate_config({"distributed_type": "FSDP", "fp16": False, "fsdp_config": fsdp})
     explicit = from_accelerate_config({"distributed_type": "FSDP", "fp16": True, "mixed_precision": "bf16", "fsdp_config": fsdp})
     assert explicit["mixed_precision"].param_dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_stage3_only_keys_below_stage3_warn(stage):
+    """ZeRO++ (qwZ, hpZ) and the persistence threshold act on stage 3's sharded parameters:
+    below it they were accepted and did nothing, silently."""
+    cfg = {**MICRO, "zero_optimization": {"stage": stage, "zero_quantized_weights": True, "zero_hpz_partition_size": 2,
+                                          "stage3_param_persistence_threshold": 1000}}
+    with pytest.warns(UserWarning, match=r"'zero_optimization.stage3_param_persistence_threshold', "
+                                         r"'zero_optimization.zero_hpz_partition_size', "
+                                         rf"'zero_optimization.zero_quantized_weights' act at ZeRO stage 3 only; at stage {stage}"):
+        load_config(cfg, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config({**MICRO, "zero_optimization": {**cfg["zero_optimization"], "stage": 3}}, 2)
+        load_config({**MICRO, "zero_optimization": {"stage": 2, "zero_quantized_weights": False}}, 1)

@@ -64,6 +64,7 @@ FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window"
              "consecutive_hysteresis", "auto_cast"}
 ZERO_KEYS = {"stage", "offload_param", "offload_optimizer"}
 ZERO_MAPPED = {"reduce_bucket_size", "stage3_param_persistence_threshold", "zero_quantized_weights", "zero_hpz_partition_size"}
+STAGE3_ONLY = {"stage3_param_persistence_threshold", "zero_quantized_weights", "zero_hpz_partition_size"}
 ZERO_NOT_ACTED_ON = {"stage3_prefetch_bucket_size", "stage3_max_live_parameters"}
 OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"},
                     "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"}}
@@ -397,6 +398,11 @@ def _zero(sec: dict, unknown: list) -> ZeroConfig:
         key = f"zero_optimization.{k}"
         zero.mapped[k] = (_bool(key, sec[k]) if k == "zero_quantized_weights" else
                           _int(key, sec[k], minimum=1) if k == "zero_hpz_partition_size" else _number(key, sec[k]))
+    asks_nothing = {("zero_quantized_weights", False), ("zero_hpz_partition_size", 1)}
+    inert = [k for k, v in sorted(zero.mapped.items()) if zero.stage < 3 and k in STAGE3_ONLY and (k, v) not in asks_nothing]
+    if inert:  # ZeRO++ and persistence act on stage 3's sharded parameters
+        warnings.warn(f"zeroshard config: {', '.join(repr('zero_optimization.' + k) for k in inert)} act at ZeRO stage 3 "
+                      f"only; at stage {zero.stage} they are ignored.", stacklevel=4)
     for k in sorted(ZERO_NOT_ACTED_ON & set(sec)):
         zero.not_acted_on[k] = _number(f"zero_optimization.{k}", sec[k])
     _sort_out("zero_optimization", [k for k in sec if k not in ZERO_KEYS | ZERO_MAPPED | ZERO_NOT_ACTED_ON], DS_ZERO_KEYS,
