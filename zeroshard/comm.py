@@ -151,14 +151,14 @@ def gather_objects(obj, group=None, what: str = "exchanging metadata", tag: str 
     argument given on some ranks only) would otherwise read each other's data as
     their own and report a wrong cause; every rank of the exchange raises naming both."""
     everyone = [None] * dist.get_world_size(group)
-    what_ = what if tag is None else tag
-    _issue("all_gather_object", what, group, False, lambda: dist.all_gather_object(everyone, (what_, obj), group=group))
-    other = next((r for r, (w, _) in enumerate(everyone) if w != what_), None)
+    tag = what if tag is None else tag
+    _issue("all_gather_object", what, group, False, lambda: dist.all_gather_object(everyone, (tag, obj), group=group))
+    other = next((r for r, (t, _) in enumerate(everyone) if t != tag), None)
     if other is not None:
         rank = dist.get_rank()
         theirs = other if group is None else dist.get_global_rank(group, other)
         raise CollectiveError(
-            f"zeroshard: rank {rank}: the ranks are in different exchanges: this one in '{what_}', rank {theirs} in "
+            f"zeroshard: rank {rank}: the ranks are in different exchanges: this one in '{tag}', rank {theirs} in "
             f"'{everyone[other][0]}'. The ranks diverged: a different model or wrap policy (a unit more or of another "
             "class on some rank), different FSDP arguments on some ranks (e.g. sync_module_states), or different calls "
             "(a state dict or checkpoint call on some ranks only). Fix: build and call the same on every rank.")

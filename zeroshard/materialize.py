@@ -26,7 +26,7 @@ from . import agreement, comm, ext
 
 def unit_modules(root: nn.Module, skip) -> list[nn.Module]:
     """The unit's modules, breadth-first, not entering ``skip`` (nested units, ignored).
-    None when ``root`` is itself skipped: ``FSDP(FSDP(m))``, whose inner unit owns them all."""
+    No modules when ``root`` is itself skipped (``FSDP(FSDP(m))``: the inner unit owns them all)."""
     if skip(root):
         return []
     order, queue, seen = [], collections.deque([root]), {root}
