@@ -1,7 +1,8 @@
-// The CPU copy loop behind every flatten/unflatten of zeroshard._C (flatten.cpp's
-// one-shot calls and plan.cpp's replays): a run table copied as ONE payload split
-// into equal chunks across threads, so 1000 tiny tensors and 10 huge ones
-// parallelize equally well. Kept out of runs.h, which nvcc also compiles.
+// The host loops behind every flatten/unflatten of zeroshard._C (flatten.cpp's
+// one-shot calls and plan.cpp's replays): the CPU copy loop, a run table copied
+// as ONE payload split into equal chunks across threads, so 1000 tiny tensors
+// and 10 huge ones parallelize equally well; and the prefetching pass over many
+// members that checks (or bumps) them. Kept out of runs.h, which nvcc also compiles.
 #pragma once
 
 #include "runs.h"
@@ -13,6 +14,47 @@
 #include <cstring>
 
 namespace zeroshard {
+
+// --- passes over many members ------------------------------------------------
+// A pass over a thousand members chases Tensor -> TensorImpl -> StorageImpl
+// (and, to bump a version, -> its VersionCounter): misses that other work
+// evicted, which each member's reads wait for in turn. Prefetched a few
+// members ahead, in two stages (the second level's addresses are read from the
+// TensorImpl fetched by the first), the misses overlap. A prefetch never
+// faults, so these are hints and nothing more.
+inline void prefetch_impl(const c10::TensorImpl* impl) {
+  const char* p = reinterpret_cast<const char*>(impl);
+  for (size_t at = 0; at < sizeof(c10::TensorImpl); at += 64) __builtin_prefetch(p + at);
+}
+
+template <bool kVersion>
+inline void prefetch_behind(const c10::TensorImpl* impl) {
+  const c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
+  if (kVersion) {
+    // The counter's address: VariableVersion holds one intrusive_ptr and no
+    // accessor for it. A wrong guess would only prefetch the wrong line.
+    static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "VariableVersion is one pointer");
+    __builtin_prefetch(*reinterpret_cast<const void* const*>(&impl->version_counter()), 1);
+  } else if (s != nullptr) {
+    __builtin_prefetch(s);
+    __builtin_prefetch(reinterpret_cast<const char*>(s) + 64);
+  }
+}
+
+// visit(i) for i in [b, e) until one returns false (then false), with member
+// impl_of(i + 2k)'s TensorImpl and impl_of(i + k)'s StorageImpl (kVersion:
+// VersionCounter instead) prefetched meanwhile.
+template <bool kVersion = false, typename ImplOf, typename Visit>
+bool visit_prefetched(size_t b, size_t e, const ImplOf& impl_of, const Visit& visit) {
+  constexpr size_t kAhead = 8;
+  for (size_t j = b; j < std::min(e, b + 2 * kAhead); ++j) prefetch_impl(impl_of(j));
+  for (size_t i = b; i < e; ++i) {
+    if (i + 2 * kAhead < e) prefetch_impl(impl_of(i + 2 * kAhead));
+    if (i + kAhead < e) prefetch_behind<kVersion>(impl_of(i + kAhead));
+    if (!visit(i)) return false;
+  }
+  return true;
+}
 
 // Chunks are whole 4 KiB units of the payload, so thread boundaries never
 // split a cache line; payloads under the grain (64 KiB) stay on the calling

@@ -127,19 +127,6 @@ void check_one(const char* what, const at::Tensor& t, size_t i, int64_t off, con
   }
 }
 
-inline void prefetch_impl(const c10::TensorImpl* impl) {
-  const char* p = reinterpret_cast<const char*>(impl);
-  for (size_t at = 0; at < sizeof(c10::TensorImpl); at += 64) __builtin_prefetch(p + at);
-}
-
-inline void prefetch_storage(const c10::TensorImpl* impl) {
-  const c10::StorageImpl* s = impl->unsafe_storage().unsafeGetStorageImpl();
-  if (s != nullptr) {
-    __builtin_prefetch(s);
-    __builtin_prefetch(reinterpret_cast<const char*>(s) + 64);
-  }
-}
-
 // check_and_collect over members [b, e), appending to `out`, in one pass.
 // Returns false, having raised nothing, if one of them is not plain: a bad
 // member's error waits until the rest are known to be plain.
@@ -149,16 +136,9 @@ bool check_range(const char* what, const std::vector<const at::Tensor*>& members
   const FlatSide side(flat);
   out.segs.reserve(out.segs.size() + (e - b));
   out.run_member.reserve(out.run_member.size() + (e - b));
-  // The reads below chase PyObject -> TensorImpl -> StorageImpl, misses that
-  // the copy before this call evicted to L3 and that one member's checks wait
-  // for in turn. Prefetched a few members ahead, in two stages (a member's
-  // StorageImpl address is read from its TensorImpl, fetched earlier), they overlap.
-  constexpr size_t kAhead = 8;
-  const auto impl_of = [&](size_t j) { return members[j]->unsafeGetTensorImpl(); };
-  for (size_t j = b; j < std::min(e, b + 2 * kAhead); ++j) prefetch_impl(impl_of(j));
-  for (size_t i = b; i < e; ++i) {
-    if (i + 2 * kAhead < e) prefetch_impl(impl_of(i + 2 * kAhead));
-    if (i + kAhead < e) prefetch_storage(impl_of(i + kAhead));
+  // The reads chase PyObject -> TensorImpl -> StorageImpl (the copy before
+  // this call evicted them to L3): prefetched ahead, they overlap.
+  return visit_prefetched(b, e, [&](size_t j) { return members[j]->unsafeGetTensorImpl(); }, [&](size_t i) {
     if (!is_plain(*members[i])) return false;
     try {
       check_one(what, *members[i], i, offsets[i], side, writable, out);
@@ -168,8 +148,8 @@ bool check_range(const char* what, const std::vector<const at::Tensor*>& members
       }
       throw;
     }
-  }
-  return true;
+    return true;
+  });
 }
 
 template <typename T>
@@ -259,8 +239,13 @@ void bump_versions(const std::vector<const at::Tensor*>& members, const Checked&
   for (size_t m : found.strided) {  // first: outside InferenceMode this raises
     if (found.inference && no_version_counter(*members[m])) members[m]->unsafeGetTensorImpl()->bump_version();
   }
-  if (runs) {
-    for (size_t m : found.run_member) members[m]->unsafeGetTensorImpl()->bump_version();
+  if (runs) {  // each bump is a locked add (a fence): prefetched, its counter is in cache by then
+    const std::vector<size_t>& rm = found.run_member;
+    visit_prefetched</*kVersion=*/true>(0, rm.size(), [&](size_t j) { return members[rm[j]]->unsafeGetTensorImpl(); },
+                                        [&](size_t j) {
+                                          members[rm[j]]->unsafeGetTensorImpl()->bump_version();
+                                          return true;
+                                        });
   }
 }
 
