@@ -16,8 +16,8 @@ Compares, in GB/s (payload bytes counted once / median time):
 
 Usage: python benchmarks/flatten_bench.py [--quick] [--device cuda] [--tensors 1000 --mb 4]
 
-A/B of host-side changes on CPU: each `--csrc NAME=PATH` JIT-builds the csrc folder
-PATH (flatten.cpp, plan.cpp) as its own module and times its one-shot and plan calls
+A/B of host-side changes: each `--csrc NAME=PATH` JIT-builds the csrc folder PATH
+(flatten.cpp, plan.cpp; with --device cuda flatten_cuda.cu too) as its own module and times its one-shot and plan calls
 in the same round-robin, printed as microseconds a call, e.g.
 
   git archive HEAD csrc | tar -x -C /tmp/old
@@ -92,16 +92,25 @@ def timer(device):
     return time_it
 
 
-def build_csrc(name, path):
-    """PATH's flatten.cpp and plan.cpp as module NAME (CPU only, flags as setup.py's)."""
+def build_csrc(name, path, cu=None):
+    """The csrc folder PATH's host code (flatten.cpp, plan.cpp) as module NAME, flags as
+    setup.py's; with CU (a flatten_cuda.cu), a CUDA build of it and those kernels
+    (benchmarks/flatten_kernels.py --cu builds through here too)."""
     from torch.utils.cpp_extension import load
 
     path = os.path.abspath(path)
-    directory = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "build", "flatten_ab", name)
+    sources = [os.path.join(path, "flatten.cpp"), os.path.join(path, "plan.cpp")]
+    flags = ["-O3", "-g0", "-fopenmp"]
+    kw = {}
+    if cu is not None:
+        sources.append(os.path.abspath(cu))
+        flags.append("-DZEROSHARD_WITH_CUDA")
+        kw["extra_cuda_cflags"] = ["-O3", "-DZEROSHARD_WITH_CUDA", "-Xptxas", "-v"]  # ptxas prints registers, spills
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    directory = os.path.join(root, "build", "flatten_ab", name + ("_cuda" if cu else ""))
     os.makedirs(directory, exist_ok=True)
-    return load(name=f"zs_ab_{name}", sources=[os.path.join(path, "flatten.cpp"), os.path.join(path, "plan.cpp")],
-                extra_include_paths=[path], extra_cflags=["-O3", "-g0", "-fopenmp"], extra_ldflags=["-fopenmp"],
-                build_directory=directory)
+    return load(name=f"zs_ab_{name}" + ("_cuda" if cu else ""), sources=sources, extra_include_paths=[path],
+                extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=directory, **kw)
 
 
 def bench_case(n, nbytes, device, reps, builds=None):
@@ -174,13 +183,13 @@ def main():
     p.add_argument("--tensors", type=int, nargs="+", default=[10, 100, 1000], help="tensor counts")
     p.add_argument("--mb", type=int, nargs="+", default=[4, 256], help="payloads, MB")
     p.add_argument("--csrc", action="append", default=[], metavar="NAME=PATH",
-                   help="also time a csrc folder's build (CPU; repeatable)")
+                   help="also time a csrc folder's build (repeatable)")
     args = p.parse_args()
     if any("=" not in spec for spec in args.csrc):
         p.error("--csrc takes NAME=PATH, e.g. --csrc new=csrc")
-    if args.csrc and args.device != "cpu":
-        p.error("--csrc builds CPU modules; for CUDA use benchmarks/flatten_kernels.py --cu")
-    builds = {name: build_csrc(name, path) for name, path in (spec.split("=", 1) for spec in args.csrc)}
+    cuda = torch.device(args.device).type == "cuda"
+    builds = {name: build_csrc(name, path, os.path.join(path, "flatten_cuda.cu") if cuda else None)
+              for name, path in (spec.split("=", 1) for spec in args.csrc)}
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     os.environ.pop("ZEROSHARD_DISABLE_EXT", None)

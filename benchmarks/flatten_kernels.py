@@ -36,7 +36,7 @@ import time
 
 import torch
 
-from flatten_bench import random_sizes  # the same sizes as the single-call benchmark (this folder is on sys.path)
+from flatten_bench import build_csrc, random_sizes  # the same sizes as the single-call benchmark (this folder is on sys.path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MB = 1 << 20
@@ -50,22 +50,9 @@ CASES = [  # (tensors, payload bytes, dtype)
 def build(name: str, path: str):
     """JIT-build PATH as module NAME: a flatten_cuda.cu (with this checkout's host code)
     or a whole csrc folder (its host code too, to A/B host-side changes)."""
-    from torch.utils.cpp_extension import load
-
     if os.path.isdir(path):
-        csrc, cu = os.path.abspath(path), os.path.join(os.path.abspath(path), "flatten_cuda.cu")
-    else:
-        csrc, cu = os.path.join(ROOT, "csrc"), os.path.abspath(path)
-    directory = os.path.join(ROOT, "build", "flatten_kernels", name)
-    os.makedirs(directory, exist_ok=True)
-    return load(
-        name=f"zs_kernels_{name}",
-        sources=[os.path.join(csrc, "flatten.cpp"), os.path.join(csrc, "plan.cpp"), cu],
-        extra_include_paths=[csrc],
-        extra_cflags=["-O3", "-DZEROSHARD_WITH_CUDA"],
-        extra_cuda_cflags=["-O3", "-DZEROSHARD_WITH_CUDA", "-Xptxas", "-v"],
-        build_directory=directory,
-    )
+        return build_csrc(name, path, os.path.join(path, "flatten_cuda.cu"))
+    return build_csrc(name, os.path.join(ROOT, "csrc"), path)
 
 
 def graph_us(fn, inner=10, reps=30):

@@ -7,9 +7,10 @@
 #    parallel, each NAME=CSRC_DIR as its own module for an A/B of kernel and
 #    host code (benchmarks/flatten_kernels.py --cu);
 # 2. runs the CUDA tests and the extension's tests on that build;
-# 3. times the kernels (flatten_kernels.py: the A/B modules, or the build),
-#    the flatten benchmark (flatten_bench.py --device cuda) and one training
-#    step per engine (gpu_step.py).
+# 3. times the flatten benchmark (flatten_bench.py --device cuda, with the
+#    A/B modules beside the build), the kernels alone and single calls
+#    (flatten_kernels.py: the A/B modules, or the build) and one training step
+#    per engine (gpu_step.py).
 # Each step has a time limit and writes OUTDIR/<step>.log; a failed step does
 # not stop the later ones. Needs python3 with a CUDA torch, pytest, hypothesis.
 set -u
@@ -41,9 +42,9 @@ wait
 
 step tests 300 "$py" -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_ext.py tests/test_copy_plan.py
 tail -n 3 "$out/tests.log"
-mods=()
-for spec in "$@"; do mods+=(--cu "$spec"); done
+mods=() builds=()
+for spec in "$@"; do mods+=(--cu "$spec"); builds+=(--csrc "$spec"); done
+step flatten_bench 240 "$py" benchmarks/flatten_bench.py --device cuda "${builds[@]}"
 step kernels 300 "$py" benchmarks/flatten_kernels.py "${mods[@]}"
-step flatten_bench 240 "$py" benchmarks/flatten_bench.py --device cuda
 step gpu_step 240 "$py" benchmarks/gpu_step.py
 grep -h -A8 "median step" "$out/gpu_step.log" | head -12
