@@ -298,6 +298,12 @@ class ZeroOneOptimizer(Zero1Checkpoints):
                 p.grad = None
         self._reduced = True
 
+    def wire_device(self) -> torch.device:
+        """Where this optimizer's collectives take their tensors: the parameters' device,
+        which the group's backend serves (NCCL: the GPU), not the masters' (the CPU under
+        offload_optimizer, which NCCL refuses)."""
+        return self.parts[0].params[0].device if self.parts else torch.device("cpu")
+
     def master_grads(self) -> list[torch.Tensor]:
         return [part.master.grad for part in self.parts if part.master.grad is not None]
 
@@ -316,8 +322,11 @@ class ZeroOneOptimizer(Zero1Checkpoints):
         had = torch.tensor(float(self.had_grads), dtype=local.dtype, device=device)
         both = torch.stack([local if inf else local**norm_type, had])
         if self.world > 1:
+            wire = self.wire_device()
+            both = both.to(wire)
             comm.all_reduce(both, self.group, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                             what=f"ZeRO-1 clip_grad_norm_ ({'max norm' if inf else 'sum of squares'})")
+            both = both.to(device)
         total = both[0] if inf else both[0] ** (1.0 / norm_type)
         self.any_grads = bool(both[1] > 0)
         if max_norm == float("inf"):  # the norm alone
@@ -357,7 +366,7 @@ class ZeroOneOptimizer(Zero1Checkpoints):
 
     @staticmethod
     def _write_params(part: _Partition, full: torch.Tensor) -> None:
-        part.write_back.unflatten_into(full.to(part.params[0].dtype))
+        part.write_back.unflatten_into(full.to(part.params[0].device, part.params[0].dtype))  # offload: a CPU master
         part.note_written()
 
     @torch.no_grad()

@@ -54,9 +54,11 @@ class Zero1Checkpoints:
         """The whole flat tensor (padding dropped) from every rank's chunk (collective)."""
         if self.world == 1:
             return shard.detach().clone()[: part.layout.numel]
-        full = torch.empty(part.layout.padded_numel, dtype=shard.dtype, device=shard.device)
-        comm.all_gather(full, shard.detach().contiguous(), self.group, async_op=False, what="ZeRO-1 checkpoint gather")
-        return full[: part.layout.numel].clone()
+        wire = self.wire_device()  # offload_optimizer: the CPU masters travel through the GPU under NCCL
+        full = torch.empty(part.layout.padded_numel, dtype=shard.dtype, device=wire)
+        comm.all_gather(full, shard.detach().to(wire).contiguous(), self.group, async_op=False,
+                        what="ZeRO-1 checkpoint gather")
+        return full[: part.layout.numel].to(shard.device, copy=True)
 
     def state_dict(self) -> dict:
         """World-size independent: full flat masters and states per group (collective: call on every rank)."""
