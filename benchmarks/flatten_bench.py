@@ -17,8 +17,9 @@ Compares, in GB/s (payload bytes counted once / median time):
 Usage: python benchmarks/flatten_bench.py [--quick] [--device cuda] [--tensors 1000 --mb 4]
 
 A/B of host-side changes: each `--csrc NAME=PATH` JIT-builds the csrc folder PATH
-(flatten.cpp, plan.cpp; with --device cuda flatten_cuda.cu too) as its own module and times its one-shot and plan calls
-in the same round-robin, printed as microseconds a call, e.g.
+(flatten.cpp, plan.cpp; with --device cuda flatten_cuda.cu too) as its own module
+and times its one-shot and plan calls in the same round-robin, printed as
+microseconds a call, e.g.
 
   git archive HEAD csrc | tar -x -C /tmp/old
   python benchmarks/flatten_bench.py --tensors 1000 --mb 4 --csrc old=/tmp/old/csrc --csrc new=csrc
