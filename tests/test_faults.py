@@ -328,6 +328,52 @@ def test_a_caught_backward_fault_drops_every_units_gradients_alike(strategy, use
         assert with_grad > 0 and all(grads), grads
 
 
+# ------------------------------------------- 4a. an exception inside forward
+def _train_on_after_caught_forward_fault(rank, world_size):
+    """Micro-batch 1 completes its backward; micro-batch 2 raises inside the
+    forward of blocks.1 (a bad batch), is caught and skipped; the optimizer
+    steps and training goes on. The result is bit-identical to a run that never
+    saw micro-batch 2. Before, the root and blocks.1 stayed gathered past the
+    step: the next forward computed with the old parameters (use_orig_params),
+    or the step itself failed on a full-size FlatParameter (torch FSDP1 does both)."""
+    out = {}
+    for strategy in (zs.ShardingStrategy.FULL_SHARD, zs.ShardingStrategy.SHARD_GRAD_OP):
+        for orig in (False, True):
+            runs = []
+            for _ in range(2):
+                torch.manual_seed(0)
+                m = zs.FSDP(MLP(n_blocks=3), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
+                            sharding_strategy=strategy, use_orig_params=orig)
+                runs.append((m, torch.optim.AdamW(m.parameters(), lr=1e-2)))
+            (model, opt), (clean, opt_clean) = runs
+            for m, _ in runs:
+                m(batch("mlp", rank, 0)).pow(2).mean().backward()
+            armed = [True]
+
+            def fault(module, args):
+                if armed[0]:
+                    armed[0] = False
+                    raise InjectedFault("injected fault in the forward of blocks.1")
+
+            model.blocks[1].module.register_forward_pre_hook(fault)
+            with pytest.raises(InjectedFault):
+                model(batch("mlp", rank, 1))
+            for m, o in runs:
+                o.step()
+                o.zero_grad()
+            for step in range(2, 4):
+                _step(model, opt, rank, step)
+                _step(clean, opt_clean, rank, step)
+            out[f"{strategy.name} use_orig_params={orig}"] = all(
+                torch.equal(a, b) for a, b in zip(model.parameters(), clean.parameters()))
+    return out
+
+
+def test_training_resumes_after_an_exception_caught_in_forward():
+    for result in spawn(_train_on_after_caught_forward_fault, 2, timeout=SPAWN_TIMEOUT, pg_timeout=20):
+        assert all(result.values()), result
+
+
 # ------------------------------------------- 4b. a collective call on one rank only
 def _state_call_on_rank0_only(rank, world_size, flag_path, call):
     """Rank 0 alone makes a collective state-dict or checkpoint call (the

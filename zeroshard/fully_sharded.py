@@ -250,6 +250,10 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
         self._runtime.in_forward = True
         try:
             output = self._fsdp_wrapped_module(*args, **kwargs)
+        except BaseException:
+            self._runtime.in_forward = False
+            hooks.end_interrupted_forward(self._runtime)
+            raise
         finally:
             self._runtime.in_forward = False
         return hooks.post_forward(self, output)

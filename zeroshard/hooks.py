@@ -211,6 +211,19 @@ def post_forward(state, output):
     return output
 
 
+def end_interrupted_forward(rt):
+    """An exception inside forward, caught by the user (a bad micro-batch skipped),
+    skips the post-forward of the units it unwinds through: the root and the unit
+    that raised stay gathered, a FlatParameter full-size (the next optimizer step
+    fails on it) and, once stepped past, computing with the old parameters. Their
+    forward ends here as if its output were dropped: each unit freed or kept as
+    post_forward decides, a kept one gathered again if its shard changes before the
+    next forward (kept.drop_stale_kept). Gradients from before are untouched."""
+    for state in reversed(rt.states):  # inner units before the ones around them
+        if state._handle is not None and state._handle.state == HandleState.FORWARD:
+            post_forward(state, None)
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
