@@ -104,6 +104,10 @@ def _train_vs_torch(rank, world_size, model, kw, use_orig_params, mp, no_sync=Fa
     # FULL_SHARD casts them to bf16 after accumulating in fp32
     ("mlp", dict(param_persistence_threshold=100), False,
      dict(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, keep_low_precision_grads=True), True),
+    # the persistent root added its earlier micro-batch's fp32 gradient into the fp16 reduced one
+    # (rounded to fp16) where torch's FULL_SHARD adds in fp32
+    ("mlp", dict(param_persistence_threshold=100), False,
+     dict(reduce_dtype=torch.float16, keep_low_precision_grads=True), False),
 ])
 def test_bit_identical_to_torch_on_two_ranks(ranks, model, kw, use_orig_params, mp, no_sync):
     results = ranks.run(2, _train_vs_torch, model, kw, use_orig_params, mp, no_sync)

@@ -109,7 +109,8 @@ def _accumulate(h, out: torch.Tensor, post: float, cast: bool = True):
             out.data = out.data.to(h.dtype)
         elif h.sharded:  # a view of a bucket's output: a copy of its own, not the whole bucket kept alive
             out = out.to(h.dtype)
-        elif not h.keep_low_precision_grads:  # NO_SHARD keeps the reduced dtype then
+        elif not h.keep_low_precision_grads or h.persistent:  # NO_SHARD keeps the reduced dtype then;
+            # a persistent unit adds its earlier gradient in the master dtype, as the sharded units do
             h.flat_param.grad.data = out.to(h.dtype)
     if h.persistent:  # add the gradient set aside before this backward
         if h.saved_grad_shard is not None:
