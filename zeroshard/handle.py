@@ -370,6 +370,10 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         if g is not None and (g.numel() != self.layout.numel or self.grad_reduced):
             self.saved_grad_shard = g.data if g.dtype == self.dtype else g.data.to(self.dtype)
             self.flat_param.grad = None
+        elif g is not None and g.device != self.device:
+            # NO_SHARD under CPU offload: the reduced gradient went to the CPU shard; autograd adds
+            # the next micro-batch's on the compute device (it refuses a CPU .grad there).
+            self.flat_param.grad = g.to(self.device)
         self.grad_reduced = False
 
     def prepare_gradient_for_optim(self):
