@@ -762,3 +762,40 @@ def test_a_range_past_int64_reads_the_same_in_both_backends(backend):
         with pytest.raises(ValueError) as e:
             call()
         assert str(e.value) == f"zeroshard: {start}, beyond int64) is out of bounds for flat of numel 4", str(e.value)
+
+
+_IMPORT = """
+import sys, warnings
+sys.path[:0] = sys.argv[1:]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import zeroshard
+print(zeroshard.__file__, zeroshard.ext_backend(), [str(w.message) for w in caught if "zeroshard" in str(w.message)])
+"""
+
+
+@pytest.mark.parametrize("so", ["missing", "corrupt"])
+def test_an_extension_not_built_falls_back_silently_and_a_broken_one_says_so(tmp_path, so):
+    """Not built (no compiler, ZEROSHARD_NO_BUILD_EXT=1): the pure-torch path, no warning. It
+    used to warn on every import that _C 'failed to load (... circular import)': Python says
+    a missing submodule of `from . import _C` as a plain ImportError. Built but unloadable: said."""
+    import importlib.machinery
+    import shutil
+    import subprocess
+    import sys
+
+    pkg = tmp_path / "zeroshard"
+    shutil.copytree(os.path.dirname(ext.__file__), pkg, ignore=shutil.ignore_patterns("_C*", "__pycache__"))
+    if so == "corrupt":
+        (pkg / ("_C" + importlib.machinery.EXTENSION_SUFFIXES[0])).write_bytes(b"not an ELF file")
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    # -S: no site hooks, so no editable-install finder maps zeroshard to the checkout
+    proc = subprocess.run([sys.executable, "-S", "-c", _IMPORT, str(tmp_path), site], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    path, backend, warned = proc.stdout.split(" ", 2)
+    assert path == str(pkg / "__init__.py") and backend == "python", proc.stdout
+    if so == "missing":
+        assert warned.strip() == "[]", warned
+    else:
+        assert "zeroshard._C failed to load" in warned and "circular" not in warned, warned

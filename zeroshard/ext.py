@@ -25,6 +25,7 @@ except the compiled ``zeroshard._C``.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import operator
 import os
@@ -34,13 +35,17 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-try:
-    from . import _C
-except ModuleNotFoundError:  # not built (ZEROSHARD_NO_BUILD_EXT=1, no compiler, failed build)
+# Not built (ZEROSHARD_NO_BUILD_EXT=1, no compiler, a failed build): the fallback, silently. Asked
+# first: `from . import _C` says a missing module as a plain ImportError ("cannot import name
+# '_C' from partially initialized module ... circular import"), which read as a broken build.
+if importlib.util.find_spec(f"{__package__}._C") is None:
     _C = None
-except ImportError as e:  # built but unloadable, e.g. against another torch: rebuild it
-    warnings.warn(f"zeroshard._C failed to load ({e}); using the pure-torch fallback")
-    _C = None
+else:
+    try:
+        from . import _C
+    except ImportError as e:  # built but unloadable, e.g. against another torch: rebuild it
+        warnings.warn(f"zeroshard._C failed to load ({e}); using the pure-torch fallback")
+        _C = None
 
 __all__ = ["ext_backend", "flatten_into", "flatten", "unflatten_into", "unflatten", "CopyPlan"]
 
