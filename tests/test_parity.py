@@ -165,3 +165,34 @@ def test_clip_grad_norm_sums_each_unit_over_its_own_group(ranks):
     norms = [n for n, _ in got]
     assert len(set(norms)) == 1, norms
     assert abs(norms[0] - got[0][1]) <= 1e-6 * got[0][1], got  # fp32 sums in another order than the plain model's
+
+
+def _hybrid_one_rank_shards(rank, world_size):
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn as nn
+
+    import zeroshard as zs
+
+    singles = [dist.new_group([r]) for r in range(world_size)]  # every rank must create every group
+    torch.manual_seed(0)
+    base = nn.Linear(3, 2, bias=False)
+    x = torch.randn(4, 3) + rank
+    plain = copy.deepcopy(base)
+    plain(x).sum().backward()
+    want = plain.weight.grad.clone()
+    dist.all_reduce(want)
+    want /= world_size
+    model = zs.FSDP(copy.deepcopy(base), sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD,
+                    process_group=(singles[rank], dist.group.WORLD))
+    model(x).sum().backward()
+    return torch.equal(next(model.parameters()).grad.view(2, 3), want)
+
+
+def test_hybrid_sharding_with_one_rank_shard_groups_averages_the_replicas(ranks):
+    """Shard groups of one rank: pure replication. The gradient is the replicas' average, as
+    DDP's (torch FSDP1 switches to NO_SHARD over the one-rank group there and never reduces
+    across the replicas: they drift apart silently)."""
+    assert ranks.run(2, _hybrid_one_rank_shards) == [True, True]
