@@ -194,3 +194,26 @@ def test_nested_comm_stats(ranks):
     window is removed by identity, not by equal counts)."""
     units, fwd_gathers, step_gathers = ranks.run(2, _nested_windows)[0]
     assert (fwd_gathers, step_gathers) == (units, 2 * units - 1)
+
+
+def _named_wraps_only_collective_failures(rank, world_size):
+    from zeroshard import comm
+
+    try:
+        with comm.named("torch.distributed.checkpoint.load", "load_sharded('x')"):
+            raise RuntimeError("Size mismatch for weight: copying a param of shape [3] into [4]")
+    except RuntimeError as e:
+        plain = type(e) is RuntimeError and "Size mismatch" in str(e)
+    try:
+        with comm.named("torch.distributed.checkpoint.load", "load_sharded('x')"):
+            raise RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer")
+    except comm.CollectiveError as e:
+        named = "rank 0: torch.distributed.checkpoint.load for load_sharded('x') failed" in str(e)
+    return plain and named
+
+
+def test_a_non_collective_error_inside_torchs_collective_code_is_not_renamed(ranks):
+    """comm.named names the rank and the call of a collective torch issues (DCP, ShardedTensor);
+    another RuntimeError from inside (a load's size mismatch) used to be renamed a CollectiveError
+    with a hint about dead or diverged ranks."""
+    assert ranks.run(1, _named_wraps_only_collective_failures) == [True]

@@ -108,9 +108,16 @@ def named(kind: str, what: str, group=None):
     except CollectiveError:
         raise
     except RuntimeError as e:
-        if not dist.is_initialized():
-            raise
+        if not dist.is_initialized() or not _from_the_transport(e):
+            raise  # torch's own error inside the block (a planner's, a metadata check's): not a collective's
         raise _fail(kind, what, group, e) from e
+
+
+def _from_the_transport(err: RuntimeError) -> bool:
+    """A collective's failure: c10d's DistError, or gloo's / NCCL's own RuntimeError (a timeout
+    or a peer gone), which names its transport or the connection."""
+    text = str(err).lower()
+    return isinstance(err, dist.DistError) or any(w in text for w in ("gloo", "nccl", "timed out", "timeout", "connection", "peer"))
 
 
 def _issue(kind: str, what: str, group, async_op: bool, call):
