@@ -34,7 +34,9 @@ inline void prefetch_behind(const c10::TensorImpl* impl) {
     // The counter's address: VariableVersion holds one intrusive_ptr and no
     // accessor for it. A wrong guess would only prefetch the wrong line.
     static_assert(sizeof(c10::VariableVersion) == sizeof(void*), "VariableVersion is one pointer");
-    __builtin_prefetch(*reinterpret_cast<const void* const*>(&impl->version_counter()), 1);
+    const void* counter;
+    std::memcpy(&counter, &impl->version_counter(), sizeof counter);
+    __builtin_prefetch(counter, 1);
   } else if (s != nullptr) {
     __builtin_prefetch(s);
     __builtin_prefetch(reinterpret_cast<const char*>(s) + 64);

@@ -78,16 +78,18 @@ def test_cuda_training_matches_torch_fsdp1(ranks, offload):
     assert devices == (["cpu"] if offload else ["cuda"])
 
 
-def _accumulate(rank, world_size):
+def _accumulate(rank, world_size, mp):
     """Two micro-batches without zero_grad between, on the GPU and under CPU offload:
-    world size 1 is NO_SHARD, whose reduced gradient offload moves to the CPU shard."""
+    world size 1 is NO_SHARD, whose reduced gradient offload moves to the CPU shard
+    (in fp32 under mixed precision, where the compute copy is bf16)."""
     group = dist.new_group(backend="nccl")
     grads = []
     for offload in (False, True):
         torch.manual_seed(0)
         model = zs.FSDP(CharGPT(128, d=64, heads=4, layers=2, ctx=16), process_group=group,
                         auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), device_id=torch.cuda.current_device(),
-                        cpu_offload=zs.CPUOffload(offload_params=offload))
+                        cpu_offload=zs.CPUOffload(offload_params=offload),
+                        mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16) if mp else None)
         g = torch.Generator().manual_seed(1)
         for _ in range(2):
             x = torch.randint(0, 128, (4, 16), generator=g).cuda()
@@ -96,8 +98,9 @@ def _accumulate(rank, world_size):
     return len(grads[0]) == len(grads[1]) and all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-def test_gradient_accumulation_under_cpu_offload(ranks):
-    assert ranks.run(1, _accumulate) == [True]
+@pytest.mark.parametrize("mp", [False, True], ids=["fp32", "bf16"])
+def test_gradient_accumulation_under_cpu_offload(ranks, mp):
+    assert ranks.run(1, _accumulate, mp) == [True]
 
 def _zero1_offload(rank, world_size):
     """ZeRO-1 with the master on the CPU (offload_optimizer) and the model on the GPU, against

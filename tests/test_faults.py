@@ -337,41 +337,78 @@ def _train_on_after_caught_forward_fault(rank, world_size):
     step: the next forward computed with the old parameters (use_orig_params),
     or the step itself failed on a full-size FlatParameter (torch FSDP1 does both)."""
     out = {}
-    for strategy in (zs.ShardingStrategy.FULL_SHARD, zs.ShardingStrategy.SHARD_GRAD_OP):
-        for orig in (False, True):
-            runs = []
-            for _ in range(2):
-                torch.manual_seed(0)
-                m = zs.FSDP(MLP(n_blocks=3), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
-                            sharding_strategy=strategy, use_orig_params=orig)
-                runs.append((m, torch.optim.AdamW(m.parameters(), lr=1e-2)))
-            (model, opt), (clean, opt_clean) = runs
-            for m, _ in runs:
-                m(batch("mlp", rank, 0)).pow(2).mean().backward()
-            armed = [True]
+    # "blocks only": a root holding no parameters of its own (its post-forward still marks the forward)
+    S = zs.ShardingStrategy
+    cases = [(kind, dict(sharding_strategy=strategy, use_orig_params=orig)) for kind in ("mlp", "blocks only")
+             for strategy in (S.FULL_SHARD, S.SHARD_GRAD_OP) for orig in (False, True)]
+    cases += [("mlp", kw) for kw in (dict(forward_prefetch=True), dict(sharding_strategy=S.NO_SHARD),
+                                     dict(mixed_precision=zs.MixedPrecision(param_dtype=torch.bfloat16)),
+                                     dict(cpu_offload=zs.CPUOffload(offload_params=True)))]
+    for kind, kw in cases:
+        runs = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            net = MLP(n_blocks=3) if kind == "mlp" else torch.nn.Sequential(*(Block(5, 13) for _ in range(3)))
+            m = zs.FSDP(net, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), **kw)
+            assert (m._handle is None) == (kind != "mlp")
+            runs.append((m, torch.optim.AdamW(m.parameters(), lr=1e-2)))
+        (model, opt), (clean, opt_clean) = runs
+        for m, _ in runs:
+            m(batch("mlp", rank, 0)).pow(2).mean().backward()
+        armed = [True]
 
-            def fault(module, args):
-                if armed[0]:
-                    armed[0] = False
-                    raise InjectedFault("injected fault in the forward of blocks.1")
+        def fault(module, args):
+            if armed[0]:
+                armed[0] = False
+                raise InjectedFault("injected fault in the forward of blocks.1")
 
-            model.blocks[1].module.register_forward_pre_hook(fault)
-            with pytest.raises(InjectedFault):
-                model(batch("mlp", rank, 1))
-            for m, o in runs:
-                o.step()
-                o.zero_grad()
-            for step in range(2, 4):
-                _step(model, opt, rank, step)
-                _step(clean, opt_clean, rank, step)
-            out[f"{strategy.name} use_orig_params={orig}"] = all(
-                torch.equal(a, b) for a, b in zip(model.parameters(), clean.parameters()))
+        (model.blocks[1] if kind == "mlp" else model.module[1]).module.register_forward_pre_hook(fault)
+        with pytest.raises(InjectedFault):
+            model(batch("mlp", rank, 1))
+        for m, o in runs:
+            o.step()
+            o.zero_grad()
+        for step in range(2, 4):
+            _step(model, opt, rank, step)
+            _step(clean, opt_clean, rank, step)
+        out[f"{kind} {kw}"] = all(
+            torch.equal(a, b) for a, b in zip(model.parameters(), clean.parameters()))
     return out
 
 
 def test_training_resumes_after_an_exception_caught_in_forward():
     for result in spawn(_train_on_after_caught_forward_fault, 2, timeout=SPAWN_TIMEOUT, pg_timeout=20):
         assert all(result.values()), result
+
+
+def _forward_fault_on_one_rank(rank, world_size, flag_path):
+    model = _model()
+    if rank == 1:  # raises in blocks.1's forward, catches it and lingers: it never gathers blocks.2
+        def bad_batch(module, args):
+            raise InjectedFault("bad batch")
+
+        model.blocks[1].module.register_forward_pre_hook(bad_batch)
+        with pytest.raises(InjectedFault):
+            model(batch("mlp", rank, 0))
+        _linger(flag_path)
+        return []
+    try:
+        _timed(lambda: model(batch("mlp", rank, 0)), flag_path)
+    except CollectiveError as e:
+        chain = []
+        while e is not None:
+            chain.append(type(e).__name__)
+            e = e.__context__
+        return chain
+    return ["no error"]
+
+
+def test_a_collective_failing_inside_forward_is_raised_once(tmp_path):
+    """Rank 0's all-gather of blocks.2 times out: the forward's unwinding ends its units without
+    waiting on that failed all-gather again (it used to raise the same CollectiveError a second
+    time, from inside the first's handling)."""
+    chain, _ = spawn(_forward_fault_on_one_rank, 2, str(tmp_path / "flag"), timeout=SPAWN_TIMEOUT, pg_timeout=PG_TIMEOUT)
+    assert chain == ["CollectiveError", "RuntimeError"], chain
 
 
 # ------------------------------------------- 4b. a collective call on one rank only

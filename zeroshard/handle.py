@@ -316,8 +316,10 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         self.unshard(full_precision)
         if self._gather_work is not None:
             t = trace._active and trace.now()
-            self._gather_work.wait()
-            self._gather_work = None
+            try:
+                self._gather_work.wait()
+            finally:  # failed, it is done too: a reshard must not wait on it again
+                self._gather_work = None
             if trace._active:
                 trace.gather_waited(self, t)
         self.flat_param.data = self._full[: self.layout.numel]
@@ -372,8 +374,9 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
             self.flat_param.grad = None
         elif g is not None and g.device != self.device:
             # NO_SHARD under CPU offload: the reduced gradient went to the CPU shard; autograd adds
-            # the next micro-batch's on the compute device (it refuses a CPU .grad there).
-            self.flat_param.grad = g.to(self.device)
+            # the next micro-batch's on the compute device (it refuses a CPU .grad there). Through
+            # .data: the .grad setter refuses an fp32 gradient on the low-precision compute copy.
+            g.data = g.data.to(self.device)
         self.grad_reduced = False
 
     def prepare_gradient_for_optim(self):

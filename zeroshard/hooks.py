@@ -218,10 +218,20 @@ def end_interrupted_forward(rt):
     fails on it) and, once stepped past, computing with the old parameters. Their
     forward ends here as if its output were dropped: each unit freed or kept as
     post_forward decides, a kept one gathered again if its shard changes before the
-    next forward (kept.drop_stale_kept). Gradients from before are untouched."""
-    for state in reversed(rt.states):  # inner units before the ones around them
-        if state._handle is not None and state._handle.state == HandleState.FORWARD:
+    next forward (kept.drop_stale_kept). Gradients from before are untouched.
+    The root's post-forward runs even where it holds no parameters: it marks the
+    forward for that check. Not inside a backward (a checkpoint's recomputation
+    raised): the backward fails with it, and its own recovery frees the units. A
+    second failure here (a collective that failed with the forward) is dropped,
+    so the user's exception is the one raised."""
+    if _in_backward():
+        return
+    root, *inner = rt.states
+    for state in [s for s in reversed(inner) if s._handle is not None and s._handle.state == HandleState.FORWARD] + [root]:
+        try:  # inner units before the ones around them, the root last
             post_forward(state, None)
+        except Exception:  # noqa: BLE001 - the exception unwinding the forward is the one to see
+            pass
 
 
 def _in_backward() -> bool:
