@@ -74,7 +74,10 @@ def test_progress_bar_when_asked():
 
 def test_cli_names_its_commands():
     out = subprocess.run([sys.executable, "-m", "zeroshard"], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 2 and "demo" in out.stdout
+    assert out.returncode == 2 and "demo" in out.stderr and not out.stdout
+    # --help is no error (it exited 2, like a wrong command)
+    out = subprocess.run([sys.executable, "-m", "zeroshard", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "demo" in out.stdout
 
 
 def test_demo_counts_the_models_parameters_once():

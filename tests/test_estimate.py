@@ -341,6 +341,7 @@ def test_cli_refuses_what_it_cannot_estimate(capsys):
         return capsys.readouterr().err
 
     assert "argument --world-size: 0 must be >= 1" in refused("--params", "7e9", "--world-size", "0")
+    assert "give --model" in refused("--params", "7e9", "--world-size", "2", "--wrap-class", "Block")  # was ignored
     assert "argument --params: -7000000000.0 must be a finite number > 0" in refused("--params=-7e9", "--world-size", "4")
     assert "only FULL_SHARD" in refused("--params", "7e9", "--world-size", "8", "--hpz-group-size", "2",
                                         "--strategy", "SHARD_GRAD_OP")

@@ -267,7 +267,8 @@ def test_cli_usage_errors_exit_2_before_any_rank_starts():
                  ["parity", "models:MLP", "--world-size", "0"], ["parity", "models:MLP", "--steps", "0"],  # IndexError before
                  ["parity", "models:MLP", "--wrap", "size", "--wrap-class", "Block"],
                  ["parity", "models:MLP", "--min-num-params", "10"], ["parity", "models:MLP", "--timeout", "-5"],
-                 ["parity", "models:MLP", "--lr", "-1"], ["parity", "models:MLP", "--wrap-class", "batch"]):
+                 ["parity", "models:MLP", "--lr", "-1"], ["parity", "models:MLP", "--wrap-class", "batch"],
+                 ["parity", "models:MLP", "--clip", "-1"], ["parity", "models:MLP", "--clip", "nan"]):
         out = subprocess.run([sys.executable, "-m", "zeroshard.testing", *argv], capture_output=True, text=True,
                              timeout=120, cwd=str(__import__("pathlib").Path(__file__).parent))
         assert out.returncode == 2 and "error:" in out.stderr and "Traceback" not in out.stderr, out.stderr

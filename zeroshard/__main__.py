@@ -10,8 +10,12 @@ COMMANDS = {"demo": "zeroshard.demo"}
 
 
 def main() -> int:
+    usage = f"usage: python -m zeroshard {{{','.join(COMMANDS)}}} [options]  (add --help after a command)"
+    if sys.argv[1:2] in (["-h"], ["--help"]):
+        print(usage)
+        return 0
     if len(sys.argv) < 2 or sys.argv[1] not in COMMANDS:
-        print(f"usage: python -m zeroshard {{{','.join(COMMANDS)}}} [options]  (add --help after a command)")
+        print(usage, file=sys.stderr)
         return 2
     import importlib
 

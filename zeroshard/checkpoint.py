@@ -202,7 +202,7 @@ def _aside(path: str) -> str:
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.old")
 
 
-def _is_checkpoint_dir(path: str) -> bool:
+def is_checkpoint_dir(path: str) -> bool:
     """Only files DCP or save_sharded write: the one kind of directory save_sharded may replace."""
     return os.path.isdir(path) and not os.path.islink(path) and all(
         n in (".metadata", SIDECAR) or n.endswith((".distcp", ".metadata.tmp")) for n in os.listdir(path))
@@ -240,7 +240,7 @@ def _prepare(path: str) -> str:
     parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
     _recover(path)
-    if os.path.lexists(path) and not _is_checkpoint_dir(path):
+    if os.path.lexists(path) and not is_checkpoint_dir(path):
         raise FileExistsError(f"zeroshard: save_sharded: '{path}' exists and is not a checkpoint directory (it holds "
                               "other files); refusing to replace it. Fix: pass a new path or a previous checkpoint's.")
     own = re.compile(re.escape(f".{name}.") + "[0-9a-f]{12}" + re.escape(".tmp"))  # not '.{name}.best.<hex>.tmp'

@@ -32,8 +32,9 @@ def positive_float(text: str) -> float:
 
 
 def check_output_path(parser: argparse.ArgumentParser, option: str, path: str | None, is_dir: bool = False) -> None:
-    """Before any training: ``path`` (a file, or with ``is_dir`` a folder, created as needed)
-    can be written, else a usage error naming ``option`` (it used to fail only once training was done)."""
+    """Before any training: ``path`` (a file, or with ``is_dir`` a folder) can be written, else a
+    usage error naming ``option`` (it used to fail only once training was done). Missing folders on
+    the way are created here (a file's save would not create them)."""
     if path is None:
         return
     path = os.path.abspath(path)
@@ -44,6 +45,7 @@ def check_output_path(parser: argparse.ArgumentParser, option: str, path: str | 
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         parser.error(f"{option} {path}: {parent} is not a writable directory")
+    os.makedirs(path if is_dir else os.path.dirname(path), exist_ok=True)
 
 
 def check_count(where: str, name: str, value, low: int = 1) -> None:

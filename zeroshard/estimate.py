@@ -367,6 +367,8 @@ def main(argv=None) -> str:
     a = ap.parse_args(argv)
     if (a.params is None) == (a.model is None):
         ap.error("give exactly one of --params and --model")
+    if a.wrap_class is not None and a.model is None:
+        ap.error("--wrap-class wraps the classes of a --model: give --model (with --params there are no modules)")
     if a.param_persistence_threshold is not None and a.model is None:
         ap.error("--param-persistence-threshold needs the units' sizes: give --model")
     if a.hpz_group_size is not None:

@@ -81,7 +81,12 @@ def main(argv=None):
     all_ok = all(r[1] and r[2] for r in results)
     print(f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; full checkpoint reloads in a plain model: {ok_full}; "
           f"local shards restore a fresh model: {ok_local}")
-    return 0 if all_ok and losses[-1] < losses[0] else 1
+    fell = len(losses) < 2 or losses[-1] < losses[0]  # (one step: nothing to compare)
+    if not fell:
+        print(f"FAILED: the loss did not fall over {len(losses)} steps (try more --steps)")
+    if not all_ok:
+        print("FAILED: a checkpoint did not restore the model (see the checks above)")
+    return 0 if all_ok and fell else 1
 
 
 if __name__ == "__main__":

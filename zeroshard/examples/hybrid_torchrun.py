@@ -45,7 +45,7 @@ from zeroshard.cli_args import positive_int
 
 def build(engine: str, vocab: int, args, nnodes: int, per_node: int):
     torch.manual_seed(0)  # the same initial weights on every rank and for both engines
-    model = CharGPT(vocab, d=args.d, heads=4, layers=2, ctx=args.ctx)
+    model = CharGPT(vocab, d=args.d_model, heads=4, layers=2, ctx=args.ctx)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if engine == "zeroshard":  # the node structure comes from torchrun (LOCAL_WORLD_SIZE)
@@ -77,7 +77,8 @@ def main(argv=None):
     p.add_argument("--steps", type=positive_int, default=20)
     p.add_argument("--batch", type=positive_int, default=8)
     p.add_argument("--ctx", type=positive_int, default=32)
-    p.add_argument("--d", type=int, default=64)
+    # Not --d: torchrun reads it as an ambiguous prefix of its own --duplicate-* options.
+    p.add_argument("--d-model", type=positive_int, default=64, help="model width")
     p.add_argument("--small", action="store_true", help="CI size: 4 steps")
     args = p.parse_args(argv)
     if args.small:
@@ -95,7 +96,7 @@ def main(argv=None):
 
     ours = build("zeroshard", len(chars), args, nnodes, per_node)
     losses = train(ours, ids, rank, args)
-    total = sum(p.numel() for p in CharGPT(len(chars), d=args.d, heads=4, layers=2, ctx=args.ctx).parameters())
+    total = sum(p.numel() for p in CharGPT(len(chars), d=args.d_model, heads=4, layers=2, ctx=args.ctx).parameters())
     shard = torch.cat([p.detach().reshape(-1) for p in ours.parameters()])  # this rank's flat shards, unit after unit
     shards = [None] * world
     dist.all_gather_object(shards, shard)

@@ -174,7 +174,8 @@ def fsdp_main(rank, world_size, args):
             x, y = dataset2.tensors
             with torch.no_grad():
                 reloaded = (plain(x).argmax(dim=1) == y).float().mean().item()
-            print(f"saved {args.save_model}: a plain Net loaded from it scores {100 * reloaded:.2f}% "
+            gone = " (temporary: deleted at exit; pass --save-model to keep it)" if args.temporary else ""
+            print(f"saved {args.save_model}{gone}: a plain Net loaded from it scores {100 * reloaded:.2f}% "
                   f"({'same as' if reloaded == accuracy else 'DIFFERENT FROM'} the sharded model)", flush=True)
     dist.barrier()
     cleanup()
@@ -198,6 +199,7 @@ def main(argv=None):
     if args.small:
         args.epochs = 5
     args.port = free_port()
+    args.temporary = args.save and args.save_model is None
     with tempfile.TemporaryDirectory() as tmp:
         if not args.save:
             args.save_model = None

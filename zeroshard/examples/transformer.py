@@ -138,7 +138,8 @@ def run(rank, world_size, args):
             print(f"step {step:3d}  loss {loss:.6f}{again}" + ("   <- checkpoint saved after this step" if step == k - 1 else ""),
                   flush=True)
         files = sorted(os.listdir(args["ckpt"]))
-        print(f"checkpoint: {args['ckpt']} ({', '.join(files)}): model and optimizer rows", flush=True)
+        gone = " (temporary: deleted at exit; pass --ckpt to keep it)" if args["temporary"] else ""
+        print(f"checkpoint: {args['ckpt']} ({', '.join(files)}): model and optimizer rows{gone}", flush=True)
     return {"losses": losses, "resumed": resumed, "same_params": same_params}
 
 
@@ -146,7 +147,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zeroshard.examples.transformer", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=positive_int, default=2)
     p.add_argument("--steps", type=positive_int, default=40)
-    p.add_argument("--save-at", type=int, default=20, help="save the checkpoint after this many steps")
+    p.add_argument("--save-at", type=int, default=None, help="save the checkpoint after this many steps (default: half)")
     p.add_argument("--batch", type=positive_int, default=8)
     p.add_argument("--ctx", type=positive_int, default=32)
     p.add_argument("--ckpt", default=None, help="checkpoint directory (default: a temporary one)")
@@ -154,9 +155,15 @@ def main(argv=None):
     args = vars(p.parse_args(argv))
     if args["small"]:
         args["steps"], args["save_at"] = 8, 4
+    if args["save_at"] is None:
+        args["save_at"] = args["steps"] // 2
     if not 0 < args["save_at"] < args["steps"]:
-        p.error("--save-at must be between 0 and --steps")
+        p.error(f"--save-at {args['save_at']} must be between 0 and --steps {args['steps']} (exclusive)")
+    if args["ckpt"] is not None and os.path.isdir(args["ckpt"]) and os.listdir(args["ckpt"]) \
+            and not checkpoint.is_checkpoint_dir(args["ckpt"]):
+        p.error(f"--ckpt {args['ckpt']} holds other files than a checkpoint's; pass a new folder or an old checkpoint's")
     check_output_path(p, "--ckpt", args["ckpt"], is_dir=True)
+    args["temporary"] = args["ckpt"] is None
     with tempfile.TemporaryDirectory() as tmp:
         args["ckpt"] = os.path.abspath(args["ckpt"] or tmp)
         results = spawn(run, args["world_size"], args, timeout=600)
