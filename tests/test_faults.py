@@ -411,6 +411,33 @@ def test_a_collective_failing_inside_forward_is_raised_once(tmp_path):
     assert chain == ["CollectiveError", "RuntimeError"], chain
 
 
+def _forward_after_a_failed_gather(rank, world_size, flag_path):
+    torch.manual_seed(0)
+    model = zs.FSDP(torch.nn.Linear(8, 8))
+    x = torch.ones(2, 8)
+    model(x).sum().backward()
+    if rank == 1:  # never joins the next all-gather
+        _linger(flag_path)
+        return []
+    seen = []
+    for _ in range(2):  # the second forward, after the failure was caught, must not use the unfilled buffer
+        try:
+            with torch.no_grad():
+                model(x)
+            seen.append("returned")
+        except CollectiveError:
+            seen.append("CollectiveError")
+        open(flag_path, "w").close()
+    return seen
+
+
+def test_a_forward_after_a_caught_all_gather_failure_raises_again(tmp_path):
+    """The failed all-gather stays pending, so the next forward raises again. Cleared on failure
+    (tried once), it let that forward compute on the never-filled gathered buffer, silently."""
+    seen, _ = spawn(_forward_after_a_failed_gather, 2, str(tmp_path / "flag"), timeout=SPAWN_TIMEOUT, pg_timeout=PG_TIMEOUT)
+    assert seen == ["CollectiveError", "CollectiveError"], seen
+
+
 # ------------------------------------------- 4b. a collective call on one rank only
 def _state_call_on_rank0_only(rank, world_size, flag_path, call):
     """Rank 0 alone makes a collective state-dict or checkpoint call (the

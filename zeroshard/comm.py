@@ -108,16 +108,19 @@ def named(kind: str, what: str, group=None):
     except CollectiveError:
         raise
     except RuntimeError as e:
-        if not dist.is_initialized() or not _from_the_transport(e):
+        if not dist.is_initialized() or not _from_a_collective(e):
             raise  # torch's own error inside the block (a planner's, a metadata check's): not a collective's
         raise _fail(kind, what, group, e) from e
 
 
-def _from_the_transport(err: RuntimeError) -> bool:
-    """A collective's failure: c10d's DistError, or gloo's / NCCL's own RuntimeError (a timeout
-    or a peer gone), which names its transport or the connection."""
-    text = str(err).lower()
-    return isinstance(err, dist.DistError) or any(w in text for w in ("gloo", "nccl", "timed out", "timeout", "connection", "peer"))
+def _from_a_collective(err: RuntimeError) -> bool:
+    """Raised by a collective: c10d's DistError, or any error whose innermost Python frame is
+    torch.distributed's collective code (the call or its wait: gloo's timeouts and closed peers,
+    DETAIL's mismatch and monitoredBarrier reports), whatever its wording."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return isinstance(err, dist.DistError) or (tb is not None and tb.tb_frame.f_code.co_filename == dist.distributed_c10d.__file__)
 
 
 def _issue(kind: str, what: str, group, async_op: bool, call):

@@ -316,10 +316,8 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         self.unshard(full_precision)
         if self._gather_work is not None:
             t = trace._active and trace.now()
-            try:
-                self._gather_work.wait()
-            finally:  # failed, it is done too: a reshard must not wait on it again
-                self._gather_work = None
+            self._gather_work.wait()  # a failure stays pending: the next use raises it again, never reads the buffer
+            self._gather_work = None
             if trace._active:
                 trace.gather_waited(self, t)
         self.flat_param.data = self._full[: self.layout.numel]

@@ -119,6 +119,14 @@ def _usage_problem(args: dict) -> str | None:
     return None
 
 
+def _max_norm(text: str) -> float:
+    """--clip: a max norm > 0; inf compares the norms without clipping."""
+    value = float(text)
+    if not value > 0:  # also nan
+        raise argparse.ArgumentTypeError(f"{text} must be > 0 (inf: compare the norms without clipping)")
+    return value
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m zeroshard.testing", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -137,7 +145,7 @@ def main(argv=None) -> int:
     q.add_argument("--no-limit-all-gathers", dest="limit_all_gathers", action="store_false")
     q.add_argument("--mixed-precision", choices=["bfloat16", "float16"], default=None, help="param and buffer dtype")
     q.add_argument("--reduce-dtype", choices=["bfloat16", "float16", "float32"], default=None)
-    q.add_argument("--clip", type=positive_float, default=None, help="also compare clip_grad_norm_(CLIP) each step")
+    q.add_argument("--clip", type=_max_norm, default=None, help="also compare clip_grad_norm_(CLIP) each step")
     q.add_argument("--input", default=None, metavar="[module:]fn", help="make_input(rank, step) (default: guessed from the first layer)")
     q.add_argument("--loss", default=None, metavar="[module:]fn", help="loss_fn(output, batch) (default: mean of squares)")
     q.add_argument("--lr", type=positive_float, default=None, help="AdamW learning rate (default 1e-2)")
