@@ -120,7 +120,8 @@ def _from_a_collective(err: RuntimeError) -> bool:
     tb = err.__traceback__
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
-    return isinstance(err, dist.DistError) or (tb is not None and tb.tb_frame.f_code.co_filename == dist.distributed_c10d.__file__)
+    # By name, not against distributed_c10d.__file__: a venv moved after install keeps its old paths in the .pyc files.
+    return isinstance(err, dist.DistError) or (tb is not None and tb.tb_frame.f_code.co_filename.endswith("distributed_c10d.py"))
 
 
 def _issue(kind: str, what: str, group, async_op: bool, call):
