@@ -592,3 +592,16 @@ def test_consolidate_cli_errors_are_one_line_and_checked_first(tmp_path, capsys)
     assert "wrote" in capsys.readouterr().err
     assert consolidate.main([ckpt, str(tmp_path / "optim.pt"), "--key", "optim"]) == 0
     assert "1 entries, 3 elements" in capsys.readouterr().err  # the states two levels down are counted
+
+
+def test_consolidate_cli_points_at_key_for_a_checkpoint_of_several_state_dicts(ranks, tmp_path):
+    """A {"model", "optim"} checkpoint consolidated without --key is written whole, two nested
+    dicts, not the plain state_dict the README promises: the tool says so and names --key."""
+    import subprocess
+    import sys
+
+    ckpt = str(tmp_path / "ckpt")
+    ranks.run(2, _save_model_and_optim, ckpt)
+    proc = subprocess.run([sys.executable, "-m", "zeroshard.consolidate", ckpt, str(tmp_path / "all.pt")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "--key model writes that one alone" in proc.stderr, proc.stderr

@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.disable(logging.NOTSET)
     elements = sum(t.numel() for t in tree_leaves(state) if torch.is_tensor(t))  # an optimizer's sit two levels down
     print(f"wrote {args.out}: {len(state)} entries, {elements} elements", file=sys.stderr)
+    nested = sorted(k for k, v in state.items() if isinstance(v, dict))
+    if args.key is None and nested and len(nested) == len(state):  # {"model": ..., "optim": ...}: not one state_dict
+        print(f"note: its entries {nested} are state dicts of their own; --key {nested[0]} writes that one alone "
+              "(e.g. a plain model's state_dict)", file=sys.stderr)
     return 0
 
 
