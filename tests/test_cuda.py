@@ -102,6 +102,7 @@ def _accumulate(rank, world_size, mp):
 def test_gradient_accumulation_under_cpu_offload(ranks, mp):
     assert ranks.run(1, _accumulate, mp) == [True]
 
+
 def _zero1_offload(rank, world_size):
     """ZeRO-1 with the master on the CPU (offload_optimizer) and the model on the GPU, against
     the same moves by hand: fp32 copies on the CPU stepped there, written back."""

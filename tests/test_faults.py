@@ -194,16 +194,18 @@ class InjectedFault(RuntimeError):
     pass
 
 
-def _arm_backward_fault(model, once=False):
-    """Raise from inside backward, when the gradient reaches blocks.1."""
+def _arm_fault(unit, stage, once=False):
+    """Raise from inside ``unit`` (blocks.1): when its forward starts, or in backward when the
+    gradient reaches it (``stage``: "forward" or "backward")."""
     armed = [True]
 
-    def hook(module, grad_output):
+    def hook(module, inputs_or_grads):
         if armed[0]:
             armed[0] = not once
-            raise InjectedFault("injected fault in the backward of blocks.1")
+            raise InjectedFault(f"injected fault in the {stage} of blocks.1")
 
-    model.blocks[1].module.register_full_backward_pre_hook(hook)
+    m = unit.module
+    (m.register_forward_pre_hook if stage == "forward" else m.register_full_backward_pre_hook)(hook)
 
 
 def _raise_in_backward(rank, world_size, flag_path, linger):
@@ -211,7 +213,7 @@ def _raise_in_backward(rank, world_size, flag_path, linger):
     opt = torch.optim.AdamW(model.parameters())
     _step(model, opt, rank, 0)
     if rank == 1:
-        _arm_backward_fault(model)
+        _arm_fault(model.blocks[1], "backward")
         try:
             _step(model, opt, rank, 1)
         except InjectedFault:
@@ -256,7 +258,7 @@ def _train_on_after_caught_backward_fault(rank, world_size):
     opt_clean = torch.optim.AdamW(clean.parameters(), lr=1e-2)
     _step(model, opt, rank, 0)
     _step(clean, opt_clean, rank, 0)
-    _arm_backward_fault(model, once=True)
+    _arm_fault(model.blocks[1], "backward", once=True)
     try:
         _step(model, opt, rank, 1)
     except InjectedFault:
@@ -300,7 +302,7 @@ def _accumulate_across_caught_fault(rank, world_size, strategy, use_orig_params,
     ctx = contextlib.nullcontext if sync else model.no_sync
     with ctx():
         model(batch("mlp", rank, 1)).pow(2).mean().backward()
-    _arm_backward_fault(model, once=True)
+    _arm_fault(model.blocks[1], "backward", once=True)
     try:
         with ctx():
             model(batch("mlp", rank, 2)).pow(2).mean().backward()
@@ -355,14 +357,7 @@ def _train_on_after_caught_forward_fault(rank, world_size):
         (model, opt), (clean, opt_clean) = runs
         for m, _ in runs:
             m(batch("mlp", rank, 0)).pow(2).mean().backward()
-        armed = [True]
-
-        def fault(module, args):
-            if armed[0]:
-                armed[0] = False
-                raise InjectedFault("injected fault in the forward of blocks.1")
-
-        (model.blocks[1] if kind == "mlp" else model.module[1]).module.register_forward_pre_hook(fault)
+        _arm_fault(model.blocks[1] if kind == "mlp" else model.module[1], "forward", once=True)
         with pytest.raises(InjectedFault):
             model(batch("mlp", rank, 1))
         for m, o in runs:
@@ -384,10 +379,7 @@ def test_training_resumes_after_an_exception_caught_in_forward():
 def _forward_fault_on_one_rank(rank, world_size, flag_path):
     model = _model()
     if rank == 1:  # raises in blocks.1's forward, catches it and lingers: it never gathers blocks.2
-        def bad_batch(module, args):
-            raise InjectedFault("bad batch")
-
-        model.blocks[1].module.register_forward_pre_hook(bad_batch)
+        _arm_fault(model.blocks[1], "forward")
         with pytest.raises(InjectedFault):
             model(batch("mlp", rank, 0))
         _linger(flag_path)
