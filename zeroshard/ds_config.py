@@ -64,7 +64,7 @@ FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window"
              "consecutive_hysteresis", "auto_cast"}
 ZERO_KEYS = {"stage", "offload_param", "offload_optimizer"}
 ZERO_MAPPED = {"reduce_bucket_size", "stage3_param_persistence_threshold", "zero_quantized_weights", "zero_hpz_partition_size"}
-STAGE3_ONLY = {"stage3_param_persistence_threshold", "zero_quantized_weights", "zero_hpz_partition_size"}
+STAGE3_ONLY = ZERO_MAPPED - {"reduce_bucket_size"}
 ZERO_NOT_ACTED_ON = {"stage3_prefetch_bucket_size", "stage3_max_live_parameters"}
 OPTIMIZER_PARAMS = {"adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "adam_w_mode", "torch_adam"},
                     "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov"}}

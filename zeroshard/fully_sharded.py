@@ -250,8 +250,7 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
         self._runtime.in_forward = True
         try:
             output = self._fsdp_wrapped_module(*args, **kwargs)
-        except BaseException:
-            self._runtime.in_forward = False
+        except BaseException:  # (in_forward is read by backward hooks only; finally resets it)
             hooks.end_interrupted_forward(self._runtime)
             raise
         finally:

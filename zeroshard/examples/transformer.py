@@ -159,8 +159,7 @@ def main(argv=None):
         args["save_at"] = args["steps"] // 2
     if not 0 < args["save_at"] < args["steps"]:
         p.error(f"--save-at {args['save_at']} must be between 0 and --steps {args['steps']} (exclusive)")
-    if args["ckpt"] is not None and os.path.isdir(args["ckpt"]) and os.listdir(args["ckpt"]) \
-            and not checkpoint.is_checkpoint_dir(os.path.realpath(args["ckpt"])):
+    if args["ckpt"] is not None and os.path.isdir(args["ckpt"]) and not checkpoint.is_checkpoint_dir(os.path.realpath(args["ckpt"])):
         p.error(f"--ckpt {args['ckpt']} holds other files than a checkpoint's; pass a new folder or an old checkpoint's")
     check_output_path(p, "--ckpt", args["ckpt"], is_dir=True)
     args["temporary"] = args["ckpt"] is None
