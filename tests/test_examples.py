@@ -277,3 +277,50 @@ def test_hfai_style_with_one_step_passes_and_a_failure_says_why():
     """One step has no loss trend to check: it exited 1 with every printed check saying True."""
     rc, out = run(["-m", "zeroshard.examples.hfai_style", "--world-size", "2", "--steps", "1"], timeout=200)
     assert rc == 0 and "FAILED" not in out, out
+
+
+@pytest.mark.parametrize("link_at", ["file", "folder"])
+def test_an_output_path_through_a_broken_symlink_is_a_usage_error(tmp_path, link_at):
+    """A dangling link as the output (or a folder on its way) gave a FileExistsError traceback from
+    makedirs, or a save that failed only after training."""
+    import argparse
+
+    from zeroshard.cli_args import check_output_path
+
+    (tmp_path / "link").symlink_to(tmp_path / "gone" / "nowhere")
+    target = tmp_path / "link" if link_at == "file" else tmp_path / "link" / "m.pt"
+    with pytest.raises(SystemExit) as err:
+        check_output_path(argparse.ArgumentParser(), "--save-model", str(target))
+    assert err.value.code == 2
+    with pytest.raises(SystemExit):
+        check_output_path(argparse.ArgumentParser(), "--ckpt", str(tmp_path / "link"), is_dir=True)
+    assert not (tmp_path / "gone").exists()
+
+
+@pytest.mark.parametrize("module, launcher, flag, small, value", [
+    ("ddp_template", "mp.spawn", "--steps", 5, 3),
+    ("mnist_digits", "mp.spawn", "--epochs", 5, 2),
+    ("transformer", "spawn", "--steps", 8, 6),
+])
+def test_small_sets_defaults_an_explicit_count_wins(monkeypatch, module, launcher, flag, small, value):
+    """--small silently replaced an explicit --steps / --epochs with its CI size."""
+    import argparse
+    import importlib
+
+    mod = importlib.import_module(f"zeroshard.examples.{module}")
+    seen = []
+
+    def fake_launch(fn, *args, **kwargs):
+        passed = kwargs["args"] if "args" in kwargs else args
+        seen.extend(a for a in passed if isinstance(a, (dict, argparse.Namespace)))
+        raise KeyboardInterrupt  # stop before anything trains
+
+    owner, name = (mod.mp, "spawn") if launcher == "mp.spawn" else (mod, "spawn")
+    monkeypatch.setattr(owner, name, fake_launch)
+    key = flag[2:]
+    for argv, want in ((["--small"], small), (["--small", flag, str(value)], value), ([flag, str(value)], value)):
+        with pytest.raises(KeyboardInterrupt):
+            mod.main(argv + (["--no-save"] if module == "mnist_digits" else []))
+        got = seen.pop()
+        got = got[key] if isinstance(got, dict) else getattr(got, key)
+        assert got == want, (argv, got)

@@ -42,7 +42,12 @@ def check_output_path(parser: argparse.ArgumentParser, option: str, path: str | 
         parser.error(f"{option} {path}: {'not a directory' if is_dir else 'is a directory'}")
     parent = path if is_dir else os.path.dirname(path)
     while not os.path.exists(parent):
+        if os.path.islink(parent):  # a link to nothing: makedirs would fail, a save write somewhere else
+            parser.error(f"{option} {path}: {parent} is a broken symbolic link (to {os.readlink(parent)}); "
+                         "remove it or pass another path")
         parent = os.path.dirname(parent)
+    if not is_dir and os.path.islink(path) and not os.path.exists(path):
+        parser.error(f"{option} {path}: a broken symbolic link (to {os.readlink(path)}); remove it or pass another path")
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         parser.error(f"{option} {path}: {parent} is not a writable directory")
     os.makedirs(path if is_dir else os.path.dirname(path), exist_ok=True)

@@ -177,11 +177,11 @@ def worker(rank, world_size, args, port=None):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zeroshard.examples.ddp_template", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=positive_int, default=2, help="ranks to spawn (ignored under torchrun)")
-    p.add_argument("--steps", type=positive_int, default=20)
-    p.add_argument("--small", action="store_true", help="CI size: 5 steps")
+    p.add_argument("--steps", type=positive_int, default=None, help="default: 20, or 5 with --small")
+    p.add_argument("--small", action="store_true", help="CI size: 5 steps (an explicit --steps wins)")
     args = p.parse_args(argv)
-    if args.small:
-        args.steps = 5
+    if args.steps is None:
+        args.steps = 5 if args.small else 20
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # launched by torchrun: this process is one rank
         worker(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
     else:

@@ -74,15 +74,15 @@ def train(model, ids, rank, args):
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="torchrun ... -m zeroshard.examples.hybrid_torchrun", description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=positive_int, default=20)
+    p.add_argument("--steps", type=positive_int, default=None, help="default: 20, or 4 with --small")
     p.add_argument("--batch", type=positive_int, default=8)
     p.add_argument("--ctx", type=positive_int, default=32)
     # Not --d: torchrun reads it as an ambiguous prefix of its own --duplicate-* options.
     p.add_argument("--d-model", type=positive_int, default=64, help="model width")
-    p.add_argument("--small", action="store_true", help="CI size: 4 steps")
+    p.add_argument("--small", action="store_true", help="CI size: 4 steps (an explicit --steps wins)")
     args = p.parse_args(argv)
-    if args.small:
-        args.steps = 4
+    if args.steps is None:
+        args.steps = 4 if args.small else 20
     if "LOCAL_WORLD_SIZE" not in os.environ:
         p.error("launch me with torchrun (see the docstring): I need RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

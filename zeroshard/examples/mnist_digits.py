@@ -185,7 +185,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m zeroshard.examples.mnist_digits", description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="input batch size per rank for training")
     parser.add_argument("--test-batch-size", type=positive_int, default=1000, metavar="N")
-    parser.add_argument("--epochs", type=positive_int, default=10, metavar="N")
+    parser.add_argument("--epochs", type=positive_int, default=None, metavar="N", help="default: 10, or 5 with --small")
     parser.add_argument("--lr", type=float, default=1.0, metavar="LR", help="Adadelta learning rate")
     parser.add_argument("--gamma", type=float, default=0.7, metavar="M", help="learning rate step gamma")
     parser.add_argument("--seed", type=int, default=1, metavar="S")
@@ -193,11 +193,11 @@ def main(argv=None):
     parser.add_argument("--save-model", default=None, metavar="PATH",
                         help="where rank 0 saves the FULL state dict (default: a temporary file)")
     parser.add_argument("--no-save", dest="save", action="store_false")
-    parser.add_argument("--small", action="store_true", help="CI size: 5 epochs")
+    parser.add_argument("--small", action="store_true", help="CI size: 5 epochs (an explicit --epochs wins)")
     args = parser.parse_args(argv)
     check_output_path(parser, "--save-model", args.save_model if args.save else None)
-    if args.small:
-        args.epochs = 5
+    if args.epochs is None:
+        args.epochs = 5 if args.small else 10
     args.port = free_port()
     args.temporary = args.save and args.save_model is None
     with tempfile.TemporaryDirectory() as tmp:

@@ -146,15 +146,15 @@ def run(rank, world_size, args):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m zeroshard.examples.transformer", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=positive_int, default=2)
-    p.add_argument("--steps", type=positive_int, default=40)
+    p.add_argument("--steps", type=positive_int, default=None, help="default: 40, or 8 with --small")
     p.add_argument("--save-at", type=int, default=None, help="save the checkpoint after this many steps (default: half)")
     p.add_argument("--batch", type=positive_int, default=8)
     p.add_argument("--ctx", type=positive_int, default=32)
     p.add_argument("--ckpt", default=None, help="checkpoint directory (default: a temporary one)")
-    p.add_argument("--small", action="store_true", help="CI size: 8 steps, checkpoint at 4")
+    p.add_argument("--small", action="store_true", help="CI size: 8 steps, checkpoint at 4 (explicit --steps / --save-at win)")
     args = vars(p.parse_args(argv))
-    if args["small"]:
-        args["steps"], args["save_at"] = 8, 4
+    if args["steps"] is None:
+        args["steps"] = 8 if args["small"] else 40
     if args["save_at"] is None:
         args["save_at"] = args["steps"] // 2
     if not 0 < args["save_at"] < args["steps"]:
