@@ -11,6 +11,7 @@ Used by zeroshard's own tests, the demo, the examples and the benchmarks.
 """
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import queue
@@ -88,6 +89,7 @@ def _worker(rank, world_size, port, payload, results, pg_timeout, threads):
 
     torch.set_num_threads(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    ok = False
     try:
         # Unpickled here, not by multiprocessing before the process runs: an object that cannot be
         # rebuilt on a rank (a __setstate__ that raises, a module missing there) is then reported
@@ -95,12 +97,28 @@ def _worker(rank, world_size, port, payload, results, pg_timeout, threads):
         fn, args = pickle.loads(payload)
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=pg_timeout))
         results.put((rank, *_result(fn(rank, world_size, *args))))
+        ok = True
     except BaseException:  # noqa: BLE001 - reported to the parent verbatim
         results.put((rank, *_failure()))
         raise SystemExit(1)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _teardown(dist, settle=ok)
+
+
+def _teardown(dist, settle: bool) -> None:
+    """Destroy the group once nothing holds it and (after a success) every rank is past its last
+    collective. Models freed only by the cyclic collector (torch FSDP1's are) kept the group alive
+    into interpreter shutdown, where gloo's threads could abort a rank that had reported ("terminate
+    called without an active exception"), as could a peer tearing down while this rank still ran."""
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    if settle:
+        try:
+            dist.barrier()
+        except Exception:  # noqa: BLE001 - a peer failed and left: its own report says why
+            pass
+    dist.destroy_process_group()
 
 
 def _check_world_size(world_size, what: str) -> None:
@@ -187,7 +205,7 @@ def _pool_worker(rank, world_size, port, tasks, results, pg_timeout, threads):
             results.put((task_id, rank, *_result(fn(rank, world_size, *args))))
         except BaseException:  # noqa: BLE001
             results.put((task_id, rank, *_failure()))
-    dist.destroy_process_group()
+    _teardown(dist, settle=False)  # no barrier: a closing pool may have a rank stuck or gone
 
 
 class RankPool:
