@@ -89,6 +89,10 @@ BAD = [
     ({"zero_optimization": {"stage": 4}}, r"zero_optimization.stage = 4: ZeRO stages are 0, 1, 2 and 3"),
     ({"zero_optimization": {"stage": "3"}}, r"zero_optimization.stage = '3'"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, r"offload_param.device = 'nvme': zeroshard offloads to CPU only"),
+    ({"zero_optimization": {"stage": 3, "offload_param": {"device": "CPU"}}}, r"offload_param.device = 'CPU': DeepSpeed's offload devices are \"cpu\", \"nvme\" and \"none\", in lower case"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}}, r"zero_optimization.cpu_offload = True: it is an older name of offload_optimizer, which is given too"),
+    ({"zero_optimization": {"stage": 3, "param_persistence_threshold": 10, "stage3_param_persistence_threshold": 10}}, r"older name of stage3_param_persistence_threshold"),
+    ({"zero_optimization": {"stage": 3, "cpu_offload_param": "yes"}}, r"zero_optimization.cpu_offload_param = 'yes': expected true or false"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, r"parameter offload needs ZeRO stage 3 \(stage is 2\)"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, r"optimizer offload needs ZeRO stage 1, 2 or 3"),
     ({"zero_optimization": {"reduce_bucket_size": "5e8"}}, r"zero_optimization.reduce_bucket_size = '5e8': expected a number"),
@@ -134,6 +138,9 @@ def test_deepspeed_keys_not_acted_on_warn_listing_all_of_them():
     ("optimizer.params", {"optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decy": 0.1}}}),
     ("optimizer.params", {"optimizer": {"type": "SGD", "params": {"lr": 1e-3, "max_grad_norm": 1.0}}}),
     ("scheduler.params", {"scheduler": {"type": "WarmupLR", "params": {"warmup_max": 0.1}}}),
+    # A typo here left offload off with only a warning (DeepSpeed's offload models forbid extra keys too).
+    ("zero_optimization.offload_optimizer", {"zero_optimization": {"stage": 2, "offload_optimizer": {"devcie": "cpu"}}}),
+    ("zero_optimization.offload_param", {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memroy": True}}}),
 ])
 def test_typos_in_sections_deepspeed_validates_are_refused(section, bad):
     """DeepSpeed refuses these (pydantic "Extra inputs are not permitted", or a
@@ -141,6 +148,23 @@ def test_typos_in_sections_deepspeed_validates_are_refused(section, bad):
     and trained without them, e.g. with no weight decay at all."""
     with pytest.raises(ValueError, match=rf"unknown key\(s\) '{section}\.\w+': DeepSpeed refuses them too"):
         load_config({**MICRO, **bad}, 1)
+
+
+def test_older_deepspeed_names_are_read_as_deepspeed_reads_them():
+    """cpu_offload / cpu_offload_param (deprecated) and param_persistence_threshold (the field behind the
+    stage3_ alias) were accepted as known and then ignored: no offload, no persistence."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        two = load_config({**MICRO, "zero_optimization": {"stage": 2, "cpu_offload": True}}, 1)
+        three = load_config({**MICRO, "zero_optimization": {"stage": 3, "cpu_offload_param": True, "cpu_offload": True,
+                                                            "param_persistence_threshold": 1000}}, 1)
+        off = load_config({**MICRO, "zero_optimization": {"stage": 3, "cpu_offload_param": False, "cpu_offload": False}}, 1)
+    assert two.zero.offload_optimizer and not two.zero.offload_param
+    assert three.zero.offload_param and three.zero.offload_optimizer
+    assert three.zero.mapped == {"stage3_param_persistence_threshold": 1000}
+    assert not off.zero.offload_param and not off.zero.offload_optimizer
+    with pytest.raises(ValueError, match="parameter offload needs ZeRO stage 3"):  # checked as the new name is
+        load_config({**MICRO, "zero_optimization": {"stage": 2, "cpu_offload_param": True}}, 1)
 
 
 def test_keys_accepted_but_not_acted_on_are_documented_and_recorded():
@@ -400,11 +424,10 @@ def test_accelerate_errors_name_field_value_and_fix(cfg, model, match):
 
 def test_accelerate_file_forms(tmp_path):
     whole = {"compute_environment": "LOCAL_MACHINE", "distributed_type": "FSDP", "mixed_precision": "bf16",
-             "num_processes": 2, "fsdp_config": {"fsdp_sharding_strategy": 2, "fsdp_use_orig_params": True, "fsdp_foo": 1}}
+             "num_processes": 2, "fsdp_config": {"fsdp_sharding_strategy": 2, "fsdp_use_orig_params": True}}
     path = tmp_path / "accelerate.json"
     path.write_text(json.dumps(whole))
-    with pytest.warns(UserWarning, match="unknown fsdp_config fields ignored: fsdp_foo"):
-        kw = from_accelerate_config(str(path))
+    kw = from_accelerate_config(str(path))
     assert kw["sharding_strategy"] == S.SHARD_GRAD_OP and kw["use_orig_params"] and kw["mixed_precision"].param_dtype == torch.bfloat16
     yaml_path = tmp_path / "accelerate.yaml"
     yaml_path.write_text("distributed_type: FSDP\nmixed_precision: 'no'\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n")
@@ -532,3 +555,54 @@ def test_stage3_only_keys_below_stage3_warn(stage):
         warnings.simplefilter("error")
         load_config({**MICRO, "zero_optimization": {**cfg["zero_optimization"], "stage": 3}}, 2)
         load_config({**MICRO, "zero_optimization": {"stage": 2, "zero_quantized_weights": False}}, 1)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    # A misspelled field was dropped with a warning (and named as read, fsdp_offload_param): the default ran.
+    ({"fsdp_sharding_stratgy": "SHARD_GRAD_OP"}, r"unknown fsdp_config field 'fsdp_sharding_stratgy'\. Fix: did you mean fsdp_sharding_strategy\?"),
+    ({"offload_param": True}, r"unknown fsdp_config field 'offload_param'\. Fix: did you mean fsdp_offload_params\?"),
+    # A whole config's misspelled top-level key was dropped without a word (Accelerate refuses it).
+    ({"distributed_type": "FSDP", "fsdp_confg": {"fsdp_sharding_strategy": 2}}, r"unknown top-level key \(Accelerate refuses it too\) 'fsdp_confg'\. Fix: did you mean fsdp_config\?"),
+    ({"distributed_type": "FSDP", "mixed_precison": "bf16"}, r"'mixed_precison'\. Fix: did you mean mixed_precision\?"),
+    # fsdp_config not a mapping: AttributeError from .items().
+    ({"distributed_type": "FSDP", "fsdp_config": ["fsdp_sharding_strategy", 2]}, r"fsdp_config = \['fsdp_sharding_strategy', 2\] is not valid\. Fix: use a mapping"),
+    ({"distributed_type": "FSDP", "fsdp_config": "FULL_SHARD"}, r"fsdp_config = 'FULL_SHARD' is not valid"),
+    ({"fsdp_activation_checkpointing_offload": True}, r"fsdp_activation_checkpointing_offload = True is not valid\. Fix: use false"),
+])
+def test_accelerate_misspelled_or_malformed_config_raises(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        from_accelerate_config(cfg)
+
+
+def test_accelerate_whole_config_keys_accelerate_writes_are_accepted():
+    """Every key of Accelerate 1.15's config file (the launcher's own ones are not zeroshard's business)."""
+    whole = {"compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "FSDP", "downcast_bf16": "no",
+             "enable_cpu_affinity": False, "machine_rank": 0, "main_training_function": "main", "mixed_precision": "bf16",
+             "num_machines": 1, "num_processes": 2, "rdzv_backend": "static", "same_network": True, "tpu_env": [],
+             "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False, "dynamo_config": {},
+             "fsdp_config": {"fsdp_activation_checkpointing": False, "fsdp_activation_checkpointing_offload": False,
+                             "fsdp_auto_wrap_policy": "NO_WRAP", "fsdp_cpu_ram_efficient_loading": True,
+                             "fsdp_offload_params": False, "fsdp_sharding_strategy": "FULL_SHARD",
+                             "fsdp_state_dict_type": "SHARDED_STATE_DICT", "fsdp_sync_module_states": True,
+                             "fsdp_use_orig_params": True, "fsdp_version": 1}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        kw = from_accelerate_config(whole)
+    assert kw["sharding_strategy"] == S.FULL_SHARD and kw["mixed_precision"].param_dtype == torch.bfloat16
+
+
+def test_accelerate_state_dict_settings_come_with_accelerates_configs():
+    """kw.state_dict_type alone gave every rank a full state dict on the compute device, where Accelerate
+    pairs FULL_STATE_DICT with offload_to_cpu and rank0_only, SHARDED_STATE_DICT with offload_to_cpu."""
+    from zeroshard import FullOptimStateDictConfig, FullStateDictConfig, ShardedOptimStateDictConfig, ShardedStateDictConfig
+
+    full = from_accelerate_config({"fsdp_state_dict_type": "FULL_STATE_DICT"})
+    assert type(full.state_dict_config) is FullStateDictConfig and full.state_dict_config.rank0_only
+    assert full.state_dict_config.offload_to_cpu
+    assert type(full.optim_state_dict_config) is FullOptimStateDictConfig and full.optim_state_dict_config.rank0_only
+    assert full.optim_state_dict_config.offload_to_cpu
+    sharded = from_accelerate_config({"fsdp_state_dict_type": 3})
+    assert type(sharded.state_dict_config) is ShardedStateDictConfig and sharded.state_dict_config.offload_to_cpu
+    assert type(sharded.optim_state_dict_config) is ShardedOptimStateDictConfig and sharded.optim_state_dict_config.offload_to_cpu
+    local = from_accelerate_config({"fsdp_state_dict_type": "LOCAL_STATE_DICT"})
+    assert local.state_dict_config is None and local.optim_state_dict_config is None  # torch's defaults

@@ -5,11 +5,13 @@
 
     kw = zeroshard.from_accelerate_config("fsdp.yaml", model=model)
     model = zeroshard.FullyShardedDataParallel(model, **kw)
-    zeroshard.FullyShardedDataParallel.set_state_dict_type(model, kw.state_dict_type)
+    zeroshard.FullyShardedDataParallel.set_state_dict_type(
+        model, kw.state_dict_type, kw.state_dict_config, kw.optim_state_dict_config)
 
 Accepted: the ``fsdp_config`` mapping itself, or a whole Accelerate config
 (``{"distributed_type": "FSDP", "mixed_precision": "bf16", "fsdp_config":
-{...}}``; its launcher keys such as ``num_processes`` are ignored), as a dict
+{...}}``; its launcher keys such as ``num_processes`` are ignored, a key Accelerate's
+config file does not have is refused as there), as a dict
 or a path to a YAML (needs PyYAML) or JSON file; or nothing, inside ``accelerate launch``: then
 the ``FSDP_*`` environment variables it exports are read (the same fields, upper-cased;
 ``FSDP_TRANSFORMER_CLS_TO_WRAP``, ``ACCELERATE_MIXED_PRECISION``), as Accelerate's
@@ -29,7 +31,7 @@ strategy from ``FSDP_SHARDING_STRATEGY``).
 | fsdp_sync_module_states | bool | sync_module_states |
 | fsdp_cpu_ram_efficient_loading | bool; forces sync_module_states (Accelerate warns and does the same) | ``kw.cpu_ram_efficient_loading`` |
 | fsdp_offload_params | bool | cpu_offload=CPUOffload(offload_params=...) |
-| fsdp_state_dict_type | FULL_STATE_DICT, LOCAL_STATE_DICT, SHARDED_STATE_DICT (or 1-based int) | ``kw.state_dict_type`` (not a constructor keyword) |
+| fsdp_state_dict_type | FULL_STATE_DICT, LOCAL_STATE_DICT, SHARDED_STATE_DICT (or 1-based int) | ``kw.state_dict_type`` (not a constructor keyword), with ``kw.state_dict_config`` / ``kw.optim_state_dict_config`` as Accelerate pairs them (full: ``offload_to_cpu=True, rank0_only=True``; sharded: ``offload_to_cpu=True``) |
 | mixed_precision (top level or in fsdp_config) | bf16, fp16, no | mixed_precision=MixedPrecision(d, d, d), as Accelerate |
 
 Keys are read as ``accelerate launch`` reads them: one without ``fsdp`` in its
@@ -39,15 +41,17 @@ A field left out takes ``accelerate launch``'s default: FULL_SHARD, no prefetch,
 no forward prefetch, NO_WRAP (SIZE_BASED_WRAP: 1e8 parameters), use_orig_params
 true, sync_module_states true, cpu_ram_efficient_loading true, no offload,
 FULL_STATE_DICT, no mixed precision. ``fsdp_version: 2``,
-``fsdp_activation_checkpointing: true`` and ``fsdp_ignored_modules`` are refused
+``fsdp_activation_checkpointing: true`` (or its ``_offload``) and ``fsdp_ignored_modules`` are refused
 (pass ``ignored_modules=`` to the constructor yourself), as are two keys that say
 different things (``fsdp_sharding_strategy`` / ``fsdp_reshard_after_forward``,
 ``fsdp_backward_prefetch`` / ``fsdp_backward_prefetch_policy``) and a config whose
-``distributed_type`` is not FSDP; other unknown fields draw one warning listing
-them; bad values raise ``ValueError`` naming the field, the value and the fix.
+``distributed_type`` is not FSDP; a field Accelerate does not know (a typo such as
+``fsdp_sharding_stratgy``) raises naming it and the closest known one (Accelerate's launcher
+would drop it silently); bad values raise ``ValueError`` naming the field, the value and the fix.
 """
 from __future__ import annotations
 
+import difflib
 import functools
 import json
 import os
@@ -57,7 +61,8 @@ import torch
 import torch.nn as nn
 
 from . import wrap
-from .options import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
+from .options import (BackwardPrefetch, CPUOffload, FullOptimStateDictConfig, FullStateDictConfig, MixedPrecision,
+                      ShardedOptimStateDictConfig, ShardedStateDictConfig, ShardingStrategy, StateDictType)
 
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2"]
 PREFETCH = ["BACKWARD_PRE", "BACKWARD_POST", "NO_PREFETCH"]
@@ -67,13 +72,25 @@ KNOWN = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_backward_
          "fsdp_forward_prefetch", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_min_num_params",
          "fsdp_use_orig_params", "fsdp_sync_module_states", "fsdp_cpu_ram_efficient_loading", "fsdp_offload_params",
          "fsdp_state_dict_type", "mixed_precision", "fsdp_version", "fsdp_activation_checkpointing",
-         "fsdp_ignored_modules"}
+         "fsdp_activation_checkpointing_offload", "fsdp_ignored_modules"}
+# The keys of a whole Accelerate config file (its ClusterConfig, accelerate 1.15, and the legacy `fp16` and
+# `dynamo_backend` it converts); Accelerate refuses any other.
+CONFIG_FILE_KEYS = {"command_file", "commands", "compute_environment", "debug", "deepspeed_config", "distributed_type",
+                    "downcast_bf16", "dynamo_backend", "dynamo_config", "enable_cpu_affinity", "fp16", "fp8_config",
+                    "fsdp_config", "gpu_ids", "machine_rank", "main_process_ip", "main_process_port",
+                    "main_training_function", "megatron_lm_config", "mixed_precision", "mpirun_config", "num_machines",
+                    "num_processes", "parallelism_config", "rdzv_backend", "same_network", "tpu_env", "tpu_name",
+                    "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_zone", "use_cpu"}
 
 
 class FSDPKwargs(dict):
-    """Keyword arguments for FullyShardedDataParallel, plus the two settings that are not constructor keywords."""
+    """Keyword arguments for FullyShardedDataParallel, plus the settings that are not constructor keywords:
+    the state dict type with the configs Accelerate pairs it with (``set_state_dict_type(model,
+    kw.state_dict_type, kw.state_dict_config, kw.optim_state_dict_config)``), and cpu_ram_efficient_loading."""
 
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
+    state_dict_config = None
+    optim_state_dict_config = None
     cpu_ram_efficient_loading: bool = True
 
 
@@ -156,20 +173,24 @@ def from_accelerate_config(config=None, model: nn.Module | None = None) -> FSDPK
     if "fsdp_config" not in config and "distributed_type" not in config:
         fsdp = _prefixed(config)
     else:  # a whole accelerate config file
+        _refuse_unknown(config, CONFIG_FILE_KEYS, "top-level key (Accelerate refuses it too)")
         kind = config.get("distributed_type", "FSDP")
         if str(kind).upper() != "FSDP":
             raise _bad("distributed_type", kind, '"FSDP" (this config is for another backend)')
-        fsdp = _prefixed(config.get("fsdp_config") or {})
+        section = config.get("fsdp_config") or {}
+        if not isinstance(section, dict):
+            raise _bad("fsdp_config", section, "a mapping of fsdp_* fields (fsdp_sharding_strategy: FULL_SHARD, ...)")
+        fsdp = _prefixed(section)
         mp = config.get("mixed_precision")
         if mp is None and "mixed_precision" not in config and config.get("fp16"):
             mp = "fp16"  # the legacy top-level `fp16: true`, which Accelerate reads as mixed_precision: fp16
         if mp is not None:
             fsdp.setdefault("mixed_precision", mp)
-    unknown = sorted(k for k in fsdp if k not in KNOWN)
-    if unknown:
-        warnings.warn(f"zeroshard accelerate config: unknown fsdp_config fields ignored: {', '.join(unknown)}.", stacklevel=2)
     if str(fsdp.get("fsdp_version", 1)) != "1":
         raise _bad("fsdp_version", fsdp["fsdp_version"], "1 (zeroshard implements FSDP1's API; FSDP2 is not supported)")
+    if _bool("fsdp_activation_checkpointing_offload", fsdp.get("fsdp_activation_checkpointing_offload", False)):
+        raise _bad("fsdp_activation_checkpointing_offload", fsdp["fsdp_activation_checkpointing_offload"],
+                   "false (Accelerate allows it with fsdp_version 2 and activation checkpointing only, neither here)")
     if _bool("fsdp_activation_checkpointing", fsdp.get("fsdp_activation_checkpointing", False)):
         raise _bad("fsdp_activation_checkpointing", fsdp["fsdp_activation_checkpointing"],
                    "false (activation checkpointing is not implemented; apply torch.utils.checkpoint in the model)")
@@ -192,6 +213,13 @@ def from_accelerate_config(config=None, model: nn.Module | None = None) -> FSDPK
         kw["sync_module_states"] = True
     kw["cpu_offload"] = CPUOffload(offload_params=_bool("fsdp_offload_params", fsdp.get("fsdp_offload_params", False)))
     kw.state_dict_type = StateDictType[_choice("fsdp_state_dict_type", fsdp.get("fsdp_state_dict_type", "FULL_STATE_DICT"), STATE_DICT_TYPES)]
+    # As Accelerate's plugin pairs them: full dicts on rank 0 only, in CPU memory; sharded ones in CPU memory.
+    if kw.state_dict_type == StateDictType.FULL_STATE_DICT:
+        kw.state_dict_config = FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+        kw.optim_state_dict_config = FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    elif kw.state_dict_type == StateDictType.SHARDED_STATE_DICT:
+        kw.state_dict_config = ShardedStateDictConfig(offload_to_cpu=True)
+        kw.optim_state_dict_config = ShardedOptimStateDictConfig(offload_to_cpu=True)
     mp = fsdp.get("mixed_precision", "no")
     mp = "no" if mp is False else str(mp).strip().lower()  # YAML reads an unquoted `no` as false (Accelerate maps it back)
     dtypes = {"no": None, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -203,16 +231,32 @@ def from_accelerate_config(config=None, model: nn.Module | None = None) -> FSDPK
     return kw
 
 
+def _refuse_unknown(config: dict, known: set, what: str, read=str) -> None:
+    """A key that means nothing (a typo) would be dropped without a word: name it as written, and the closest known
+    one. ``read`` gives the name a key is read as (fsdp_config's ``fsdp_`` prefix)."""
+    for key in sorted(config, key=str):
+        if read(key) not in known:
+            close = difflib.get_close_matches(read(key), sorted(known), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}? " if close else ""
+            raise ValueError(f"zeroshard accelerate config: unknown {what} {key!r}. Fix: {hint}correct or remove it "
+                             f"(known: {', '.join(sorted(known))}).")
+
+
 def _prefixed(fsdp: dict) -> dict:
     """``accelerate launch``'s reading of fsdp_config keys: ``fsdp_`` is added where a key lacks ``fsdp``; nulls are dropped."""
+    _refuse_unknown(fsdp, KNOWN, "fsdp_config field", _field)
     out = {}
     for key, value in fsdp.items():
-        name = key if "fsdp" in key or key == "mixed_precision" else "fsdp_" + key
+        name = _field(key)
         if name in out:
             raise ValueError(f"zeroshard accelerate config: both {key} and {name} are given. Fix: keep one of them.")
         if value is not None:
             out[name] = value
     return out
+
+
+def _field(key) -> str:
+    return str(key) if "fsdp" in str(key) or key == "mixed_precision" else "fsdp_" + str(key)
 
 
 def _one_of(fsdp: dict, key: str, older: str, default, read):

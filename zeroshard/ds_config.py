@@ -22,7 +22,10 @@ Honored keys:
   defaults to true here, false in DeepSpeed (whose users cast inputs
   themselves). ``bf16`` (or ``bfloat16``) {enabled}.
 * ``zero_optimization`` {stage 0-3, offload_param / offload_optimizer
-  {device: cpu | none}}: see ``engine``.
+  {device: cpu | none}}: see ``engine``. DeepSpeed's older names are read as it
+  reads them: ``cpu_offload: true`` / ``cpu_offload_param: true`` are those
+  sections with ``device: cpu``, ``param_persistence_threshold`` is
+  ``stage3_param_persistence_threshold``.
 
 Mapped onto zeroshard's own knobs at stages 2/3 (``engine``):
 ``zero_optimization.reduce_bucket_size`` (elements) -> FSDP ``bucket_cap_mb``
@@ -41,7 +44,7 @@ units with ``limit_all_gathers``), and ``pin_memory`` inside the offload section
 ``maximize``...) are handed to the torch optimizer. Any other DeepSpeed key,
 and any unknown top-level key (DeepSpeed ignores those), draws one
 ``warnings.warn`` listing them all (they are ignored); a key DeepSpeed itself
-refuses inside ``zero_optimization``, ``fp16``, ``bf16`` (its pydantic
+refuses inside ``zero_optimization`` (offload sections included), ``fp16``, ``bf16`` (its pydantic
 models), ``optimizer.params`` or ``scheduler.params`` (its constructors'
 signatures) is a typo and raises, as there. A wrong type or value raises
 ``ValueError`` naming the key, the value and the fix. ``"auto"`` values (filled in by the HF Trainer) are
@@ -89,6 +92,14 @@ DS_ZERO_KEYS = {
     "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "use_all_reduce_for_fetch_params",
     "use_multi_rank_bucket_allreduce", "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
     "zero_quantized_nontrainable_weights", "zero_quantized_weights"}
+# DeepSpeed's offload sections (DeepSpeedZeroOffloadParamConfig / ...OptimizerConfig); zeroshard reads device
+# (and accepts pin_memory), the rest tune NVMe or partial offload.
+DS_OFFLOAD_KEYS = {"offload_param": {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"},
+                   "offload_optimizer": {"device", "nvme_path", "buffer_count", "pin_memory", "pipeline_read",
+                                         "pipeline_write", "fast_init", "ratio", "super_offload", "cpuadam_cores_perc"}}
+# Older names DeepSpeed still reads as the newer keys (its deprecated fields, and a field's name beside its alias).
+DS_RENAMED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
+              "param_persistence_threshold": "stage3_param_persistence_threshold"}
 DS_FP16_KEYS = FP16_KEYS | {"fp16_master_weights_and_grads"}
 DS_BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
                 "bf16_optimizer_states"}
@@ -375,7 +386,26 @@ def _scheduler(sec: dict, unknown: list) -> dict:
     return {"type": kind, "params": params}
 
 
+def _renamed(sec: dict) -> dict:
+    """``sec`` with DeepSpeed's older names read as it reads them: ``cpu_offload: true`` is
+    ``offload_optimizer: {device: cpu}``, ``cpu_offload_param`` the same for ``offload_param``,
+    and ``param_persistence_threshold`` is ``stage3_param_persistence_threshold``."""
+    sec = dict(sec)
+    for old, new in DS_RENAMED.items():
+        if old not in sec:
+            continue
+        if sec.get(new) is not None:
+            raise _bad(f"zero_optimization.{old}", sec[old], f"it is an older name of {new}, which is given too",
+                       f"keep only {new}")
+        value = sec.pop(old)
+        if new.startswith("offload"):
+            value = {"device": "cpu"} if _bool(f"zero_optimization.{old}", value) else None
+        sec[new] = value
+    return sec
+
+
 def _zero(sec: dict, unknown: list) -> ZeroConfig:
+    sec = _renamed(sec)
     zero = ZeroConfig(stage=sec.get("stage", 0))
     if isinstance(zero.stage, bool) or not isinstance(zero.stage, int) or zero.stage not in (0, 1, 2, 3):
         raise _bad("zero_optimization.stage", zero.stage, "ZeRO stages are 0, 1, 2 and 3", "write 0, 1, 2 or 3")
@@ -383,10 +413,13 @@ def _zero(sec: dict, unknown: list) -> ZeroConfig:
         if sec.get(name) is None:
             continue
         off = _section(f"zero_optimization.{name}", sec[name])
-        unknown += [f"zero_optimization.{name}.{k}" for k in off if k not in ("device", "pin_memory")]
+        _sort_out(f"zero_optimization.{name}", [k for k in off if k not in ("device", "pin_memory")], DS_OFFLOAD_KEYS[name],
+                  unknown)
         device = off.get("device", "none")
         if device not in ("cpu", "none"):
-            raise _bad(f"zero_optimization.{name}.device", device, "zeroshard offloads to CPU only (no NVMe)", 'write "cpu" or "none"')
+            why = ("zeroshard offloads to CPU only (no NVMe)" if device == "nvme" else
+                   'DeepSpeed\'s offload devices are "cpu", "nvme" and "none", in lower case; zeroshard offloads to "cpu"')
+            raise _bad(f"zero_optimization.{name}.device", device, why, 'write "cpu" or "none"')
         setattr(zero, name, device == "cpu")
     if zero.offload_param and zero.stage != 3:
         raise _bad("zero_optimization.offload_param.device", "cpu", f"parameter offload needs ZeRO stage 3 (stage is {zero.stage})",
