@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import zeroshard as zs
+from zeroshard.cli_args import positive_int
 from zeroshard.demo import Block, CharGPT
 from zeroshard.testing import spawn
 
@@ -180,19 +181,22 @@ def table(header, rows):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", choices=PRESETS, default="small")
-    ap.add_argument("--world-size", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--world-size", type=positive_int, default=2)
+    ap.add_argument("--steps", type=positive_int, default=None, help="timed steps (default 10; 3 with --quick)")
+    ap.add_argument("--warmup", type=positive_int, default=None, help="untimed steps first (default 3; 1 with --quick)")
     ap.add_argument("--engines", default=",".join(ENGINES), help="comma list of " + ", ".join(ENGINES))
     ap.add_argument("--quick", action="store_true", help="tiny model, 3 steps: a smoke test")
     for key in ("d", "layers", "heads", "vocab", "seq", "batch"):
-        ap.add_argument(f"--{key}", type=int, help=f"override the preset's {key}")
+        ap.add_argument(f"--{key}", type=positive_int, help=f"override the preset's {key}")
     a = ap.parse_args()
     if a.quick:
-        a.preset, a.steps, a.warmup = "tiny", 3, 1
+        a.preset = "tiny"
+    a.steps = a.steps or (3 if a.quick else 10)
+    a.warmup = a.warmup or (1 if a.quick else 3)
     cfg = dict(PRESETS[a.preset], **{k: getattr(a, k) for k in PRESETS["tiny"] if getattr(a, k) is not None})
     keys = a.engines.split(",")
-    assert set(keys) <= set(ENGINES), f"unknown engine in {keys}"
+    if not keys or not set(keys) <= set(ENGINES):
+        ap.error(f"--engines {a.engines}: unknown {sorted(set(keys) - set(ENGINES))}; choose from {', '.join(ENGINES)}")
     ws, t_start = a.world_size, time.perf_counter()
     print(f"# zeroshard training-step benchmark\n\n`{' '.join([sys.executable, *sys.argv])}`\n\nmachine: {machine()}")
     print(f"world size {ws} gloo ranks x 1 thread; preset {a.preset} {cfg}; warm-up {a.warmup}, median of {a.steps} steps; "

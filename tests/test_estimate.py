@@ -350,6 +350,9 @@ def test_cli_refuses_what_it_cannot_estimate(capsys):
     assert "(expected module:function" in refused("--model", "models", "--world-size", "2")
     # A factory that fails, or returns no module, ended in a raw traceback.
     assert "--model models:build: calling build() failed: TypeError" in refused("--model", "models:build", "--world-size", "2")
+    # A model without parameters, and a Ψ whose 16 bytes each overflow, ended in tracebacks.
+    assert "the model has no parameters (nothing to shard)" in refused("--model", "torch.nn:Identity", "--world-size", "2")
+    assert "argument --params: 2e+307 parameters is beyond any model (at most 1e+18)" in refused("--params", "2e307", "--world-size", "2")
     assert "needs the units' sizes: give --model" in refused("--params", "7e9", "--world-size", "2",
                                                              "--param-persistence-threshold", "100")
     # NO_SHARD shards nothing: its units' "shard numel/rank" was half their numel.

@@ -184,6 +184,7 @@ def test_cli_prints_table_and_custom_setup(capsys):
     (["--params", "7e9", "--ac", "-1"], "argument --ac: -1.0 must be between 0 and 1"),
     (["--params", "7e9", "--efficiency", "5"], "argument --efficiency: 5.0 must be between 0 and 1"),
     (["--params", "nan"], "argument --params: nan must be a finite number > 0"),
+    (["--params", "1e308"], "argument --params: 1e+308 parameters is beyond any model"),  # printed inf / nan
     (["--params", "7e9", "--shard-group", "128"], "--shard-group 128 must divide --world-size 64"),
     (["--world-size", "64"], "--world-size describes a custom setup"),  # the default's value, given: was ignored
     (["--world", "8"], "unrecognized arguments: --world 8"),  # an abbreviation would slip past the check above

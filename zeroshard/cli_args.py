@@ -31,6 +31,18 @@ def positive_float(text: str) -> float:
     return value
 
 
+MAX_PARAMS = 1e18  # far above any model; keeps 16 bytes a parameter, and the times derived, finite
+
+
+def parameter_count(text: str) -> float:
+    """argparse type: a parameter count Ψ, a number > 0 and at most 1e18 (beyond it the byte
+    counts overflow to inf)."""
+    value = positive_float(text)
+    if value > MAX_PARAMS:
+        raise argparse.ArgumentTypeError(f"{value:g} parameters is beyond any model (at most {MAX_PARAMS:g})")
+    return value
+
+
 def check_output_path(parser: argparse.ArgumentParser, option: str, path: str | None, is_dir: bool = False) -> None:
     """Before any training: ``path`` (a file, or with ``is_dir`` a folder) can be written, else a
     usage error naming ``option`` (it used to fail only once training was done). Missing folders on

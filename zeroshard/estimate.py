@@ -62,7 +62,7 @@ from .validation import check_uniform
 from .fully_sharded import FullyShardedDataParallel
 from .prefetch import MAX_LIVE_PREFETCH_UNITS
 from .options import ShardingStrategy
-from .cli_args import check_choice, check_count, positive_float, positive_int
+from .cli_args import check_choice, check_count, parameter_count, positive_int
 from .wrap import ModuleWrapPolicy, wrap_submodules
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "ZERO1", "NO_SHARD")
@@ -355,7 +355,7 @@ def _hpz_table(a, psi, model, policy) -> str:
 
 def main(argv=None) -> str:
     ap = argparse.ArgumentParser(prog="python -m zeroshard.estimate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--params", type=positive_float, help="number of parameters Ψ (e.g. 7e9)")
+    ap.add_argument("--params", type=parameter_count, help="number of parameters Ψ (e.g. 7e9)")
     ap.add_argument("--model", help="module:function returning an nn.Module (built on the meta device)")
     ap.add_argument("--wrap-class", help="class name for ModuleWrapPolicy (with --model)")
     ap.add_argument("--world-size", type=positive_int, required=True)
@@ -403,6 +403,8 @@ def main(argv=None) -> str:
         except ValueError as e:
             ap.error(f"--model {a.model}: {e}")
         psi = est.psi
+        if not psi:
+            ap.error(f"--model {a.model}: the model has no parameters (nothing to shard)")
         lines += [f"Units of {a.model} on {a.world_size} ranks ({est.strategy}):", "",
                   "| unit | numel | padded numel | shard numel/rank |", "|---|---|---|---|"]
         lines += [f"| {u.name or '(root)'} | {u.numel:,} | {u.padded_numel:,} | {u.shard_numel:,} |" for u in est.units]

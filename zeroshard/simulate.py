@@ -50,7 +50,7 @@ import math
 import sys
 from dataclasses import dataclass
 
-from .cli_args import check_choice, check_count, check_fraction, positive_float, positive_int
+from .cli_args import check_choice, check_count, check_fraction, parameter_count, positive_float, positive_int
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -331,7 +331,7 @@ def main(argv=None) -> str:
     # allow_abbrev=False: which flags were given is read from argv below, so "--world 8" must not pass as one.
     ap = argparse.ArgumentParser(prog="python -m zeroshard.simulate", description=__doc__.split("\n\n")[0],
                                  allow_abbrev=False)
-    ap.add_argument("--params", type=positive_float, help="custom setup: Ψ (e.g. 7e9), split evenly over --layers units")
+    ap.add_argument("--params", type=parameter_count, help="custom setup: Ψ (e.g. 7e9), split evenly over --layers units")
     ap.add_argument("--world-size", type=positive_int, default=64)
     ap.add_argument("--hardware", default="a100-400g", choices=list(HARDWARE))
     ap.add_argument("--layers", type=positive_int, default=32, help="transformer blocks (one FSDP unit each)")
