@@ -132,3 +132,43 @@ def test_state_dicts_gather_one_unit_at_a_time(ranks, use_orig_params, kind):
     the copies (with offload_to_cpu, copies on the CPU), not the whole model
     twice; loading likewise. zeroshard used to gather every unit at once."""
     assert all(ranks.run(2, _state_dict_peak, use_orig_params, kind))
+
+
+def _unsharded_grads_alive(rank, world_size, strategy):
+    """How many units' unsharded gradients (the reduce-scatter send buffers) are alive when each
+    block's backward starts, and how many were sent."""
+    import weakref
+
+    from zeroshard import comm
+
+    sent, alive = [], []
+    issue = comm._reduce_scatter
+
+    def spy(out, inp, **kw):
+        sent.append(weakref.ref(inp))
+        return issue(out, inp, **kw)
+
+    comm._reduce_scatter = spy
+    try:
+        torch.manual_seed(0)
+        model = zs.FSDP(MLP(n_blocks=6), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}),
+                        sharding_strategy=strategy)
+        for m in model.modules():
+            if isinstance(m, Block):
+                m.register_full_backward_pre_hook(lambda *_: alive.append(sum(r() is not None for r in sent)))
+        torch.manual_seed(rank)
+        model(torch.randn(4, 5)).sum().backward()
+    finally:
+        comm._reduce_scatter = issue
+    return alive, len(sent)
+
+
+@pytest.mark.parametrize("strategy", [zs.ShardingStrategy.FULL_SHARD, zs.ShardingStrategy.SHARD_GRAD_OP])
+def test_unsharded_gradients_are_freed_during_backward(ranks, strategy):
+    """Every unit's unsharded gradient stayed alive until the end of backward (the reductions were
+    only waited for there): Ψ·c per rank at the end of backward where torch FSDP1 holds one unit's.
+    Now a reduction is waited for once the next is issued: at most one send buffer in flight."""
+    for alive, n_sent in ranks.run(2, _unsharded_grads_alive, strategy):
+        assert n_sent == 7  # six blocks and the root
+        assert len(alive) == 6 and alive[0] == 0, alive
+        assert max(alive) <= 1, alive  # was 0, 1, 2, 3, 4, 5

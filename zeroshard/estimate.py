@@ -29,7 +29,7 @@ NO_SHARD: nothing if it computes on the shard, else every unit's cast copy (auto
 holds them until backward). FULL_SHARD's needs unit sizes: give ``--model``, or call
 :func:`estimate_model`, which runs the engine's own wrapping (wrap.wrap_submodules) and layout
 (flat_param.build_layout) code without a process group. A unit's unsharded gradient
-(one at a time, before its reduce-scatter) is not counted.
+(at most two at a time: one in its reduce-scatter while the next is computed) is not counted.
 
 ``--offload`` (CPUOffload): params, grads and optimizer state live on CPU; GPU bytes per
 rank are then only the working set.

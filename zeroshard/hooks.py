@@ -348,7 +348,9 @@ def post_backward(state, flat_param, through_graph=False):
     if handle.use_orig_params:
         handle.gradients_computed()
         handle.detach_grad_views()
-    state._runtime.pending += reduce.start_reduction(handle, state._runtime.bucketer)
+    rt = state._runtime
+    rt.pending += reduce.start_reduction(handle, rt.bucketer)
+    reduce.settle_earlier(rt.pending)
 
 
 @torch.no_grad()

@@ -20,8 +20,10 @@ pre-division and the reduced shard back to the parameter dtype before it is
 accumulated, as torch FSDP1 does.
 
 The collectives are asynchronous: backward keeps computing the next unit while
-gloo/NCCL reduces this one; the root's end-of-backward callback waits for all
-of them (:func:`finish_reductions`). With ``bucket_cap_mb`` several units'
+gloo/NCCL reduces this one. Once the next unit's reduction is issued this one
+is waited for and its send buffer, the unsharded gradient, freed (under HSDP
+its replica all-reduce is issued then); the root's end-of-backward callback
+waits for the rest and hands each unit its reduced shard (:func:`finish_reductions`). With ``bucket_cap_mb`` several units'
 gradients share one collective (see ``bucket``). A communication hook
 (``comm_hooks``) replaces the collective and both divisions for every unit.
 """
@@ -52,23 +54,37 @@ def _div(t: torch.Tensor, factor: float):
 
 
 class PendingReduction:
-    """A reduction in flight (one unit's, or a bucket's), completed by :meth:`finish`."""
+    """A reduction in flight (one unit's, or a bucket's): :meth:`settle` once the next one is
+    issued, :meth:`finish` at the end of backward."""
 
     def __init__(self, entries, work, out: torch.Tensor, inp: torch.Tensor, sizes: list[int]):
         # entries: (handle, post-divide factor); out: their results end to end.
         self.entries, self.work, self.out, self.inp, self.sizes = entries, work, out, inp, sizes
+        self.replica_work = None
         _spans(entries, trace.span_begin)
 
-    def finish(self, apply: bool = True):
-        """Wait for it (and HSDP's replica all-reduce, which the other ranks issue too); with
-        ``apply``, hand each unit its gradient (without: an interrupted backward drops them)."""
+    def settle(self):
+        """Wait for the collective and drop its send buffer, the units' unsharded gradients (so
+        that, as in torch FSDP1, they do not all live until the end of backward); under HSDP issue
+        the replica all-reduce of the shard, which the other ranks issue at the same point."""
+        if self.work is None:
+            return
         self.work.wait()
+        self.work = self.inp = None
         _spans(self.entries, trace.span_end)
-        self.inp = None  # the send buffer may be freed now
         h0 = self.entries[0][0]
         if h0.replicate_group is not None:  # HSDP: the shard is summed across replicas too
             _spans(self.entries, trace.span_begin, "all_reduce")
-            comm.all_reduce(self.out, h0.replicate_group, what=f"replica all-reduce of {_names(self.entries)} gradients")
+            self.replica_work = comm.all_reduce(self.out, h0.replicate_group, async_op=True,
+                                                what=f"replica all-reduce of {_names(self.entries)} gradients")
+
+    def finish(self, apply: bool = True):
+        """Settle it and wait for the replica all-reduce; with ``apply``, hand each unit its
+        gradient (without: an interrupted backward drops them)."""
+        self.settle()
+        if self.replica_work is not None:
+            self.replica_work.wait()
+            self.replica_work = None
             _spans(self.entries, trace.span_end, "all_reduce")
         if not apply:
             return
@@ -169,6 +185,9 @@ class HookedReduction:
     def __init__(self, handle, out: torch.Tensor):
         self.handle, self.out = handle, out
 
+    def settle(self):
+        pass  # the hook ran its collective to completion
+
     def finish(self, apply: bool = True):
         if apply:
             _accumulate(self.handle, self.out, 1.0, cast=not casts_itself(self.handle.comm_hook[0]))  # the hook divided
@@ -212,6 +231,13 @@ def launch(bucket: Bucket) -> PendingReduction:
 def flush(bucketer: Bucketer | None) -> list[PendingReduction]:
     """Launch every bucket still open (the end of backward)."""
     return [launch(b) for b in bucketer.flush()] if bucketer is not None else []
+
+
+def settle_earlier(pending: list) -> None:
+    """Settle every reduction in ``pending`` but the newest: one unsharded gradient stays in
+    flight while backward computes the next unit's, the earlier ones are freed."""
+    for p in pending[:-1]:
+        p.settle()
 
 
 def finish_reductions(pending: list[PendingReduction], apply: bool = True):

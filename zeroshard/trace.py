@@ -20,11 +20,11 @@ with the same names get " #2", and so on):
   contains its children's.
 * ``reduce_scatter`` spans (track "reduce_scatter"; ``all_reduce`` for
   NO_SHARD): from issue in ``reduce.start_reduction`` to completion in
-  ``PendingReduction.finish``; hybrid sharding adds an ``all_reduce`` span
-  on the same track for the replica all-reduce that follows. With
-  ``bucket_cap_mb`` each unit in a bucket has a span from the bucket's launch.
-  Reductions all finish at the end of backward, so each one in flight gets a
-  lane (a tid) of its own.
+  ``PendingReduction.settle`` (once the next reduction is issued, or at the
+  end of backward); hybrid sharding adds an ``all_reduce`` span on the same
+  track for the replica all-reduce that follows, open until the end of
+  backward. With ``bucket_cap_mb`` each unit in a bucket has a span from the
+  bucket's launch. Spans that overlap get a lane (a tid) each.
 * ``reshard`` instants (track "compute") with the bytes freed, and a counter
   of live unsharded bytes sampled at every unshard and reshard.
 
