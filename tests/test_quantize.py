@@ -89,8 +89,13 @@ def _equals_zero3_on_dequantized(rank, world_size, model_name, use_orig_params, 
     masters = []
     for hq, hr in zip(*handles):
         masters.append(hq.local_shard.clone())
-        # The reference holds, as its master, what the quantized model will compute with.
-        quant.dequantize(quant.quantize(hr.local_shard), hr.local_shard.numel(), hr.local_shard)
+        # The reference holds, as its master, what the quantized model will compute with: its
+        # blocks quantized with the padding as zeros (use_orig_params' alignment gaps hold
+        # torch's marker 42, which would otherwise set their blocks' scales).
+        real = hr.local_shard.clone()
+        for start, end in hr.layout.shard_padding():
+            real[start:end] = 0
+        quant.dequantize(quant.quantize(real), real.numel(), hr.local_shard)
     with zs.comm_stats() as qstats:
         for step in range(2):  # accumulate two micro-batches
             out_q = qmodel(batch(model_name, rank, step))
@@ -110,11 +115,13 @@ def _equals_zero3_on_dequantized(rank, world_size, model_name, use_orig_params, 
         exact = all(torch.equal(a, b) for a, b in zip(qmodel.parameters(), base.parameters()))
     # The quantization is not a no-op on these weights.
     differs = any(not torch.equal(hq.local_shard, hr.local_shard) for hq, hr in zip(*handles))
+    if use_orig_params and model_name == "mlp":  # its alignment gaps hold 42 (the case the padding mask is for)
+        assert any(42 in hq.local_shard[s:e] for hq in handles[0] for s, e in hq.shard_padding)
     return exact, differs, dict(qstats.bytes), dict(rstats.bytes)
 
 
 @pytest.mark.parametrize("model_name,use_orig_params,param_dtype", [
-    ("mlp", False, None), ("gpt", True, None), ("gpt", False, torch.bfloat16)])
+    ("mlp", False, None), ("mlp", True, None), ("gpt", True, None), ("gpt", False, torch.bfloat16)])
 def test_computes_zero3_on_dequantized_weights(ranks, model_name, use_orig_params, param_dtype):
     for exact, differs, qbytes, rbytes in ranks.run(2, _equals_zero3_on_dequantized, model_name, use_orig_params,
                                                     param_dtype):

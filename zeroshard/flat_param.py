@@ -106,6 +106,16 @@ class FlatLayout:
             return None
         return ShardSlice(lo - start, hi - lo, lo - p.offset)
 
+    def shard_padding(self) -> list[tuple[int, int]]:
+        """(start, end) ranges of this rank's shard that hold no parameter (gaps and tail)."""
+        spans = sorted((sl.offset_in_shard, sl.offset_in_shard + sl.numel_in_shard) for sl in self.shard_slices if sl)
+        gaps, pos = [], 0
+        for start, end in [*spans, (self.shard_numel, self.shard_numel)]:
+            if start > pos:
+                gaps.append((pos, start))
+            pos = max(pos, end)
+        return gaps
+
     @property
     def split_sizes(self) -> list[int]:
         """Sizes that split the flat buffer into [pad, param, pad, param, ..., pad]."""
@@ -266,11 +276,22 @@ def dense_stride(t: torch.Tensor) -> tuple | None:
     return tuple(t.stride())
 
 
-def flatten_params(layout: FlatLayout, tensors) -> torch.Tensor:
-    """The unsharded flat buffer holding ``tensors`` at their offsets, zeros between
-    (each in its memory order: see ``dense_stride``)."""
+PADDING_VALUE = 42  # torch FSDP1's marker in alignment padding: never computed with, seen in LOCAL state dicts
+
+
+def flatten_params(layout: FlatLayout, tensors, padding_value: float = 0) -> torch.Tensor:
+    """The unsharded flat buffer holding ``tensors`` at their offsets (each in its memory
+    order: see ``dense_stride``), ``padding_value`` between them and after the last."""
     flat = [t.detach() if p.stride is None else t.detach().as_strided((p.numel,), (1,)) for p, t in zip(layout.params, tensors)]
-    return ext.flatten(flat, [p.offset for p in layout.params], layout.numel)
+    out = ext.flatten(flat, [p.offset for p in layout.params], layout.numel)
+    if padding_value:
+        end = 0
+        for p in [*layout.params, None]:
+            start = layout.numel if p is None else p.offset
+            if start > end:
+                out[end:start].fill_(padding_value)
+            end = start if p is None else p.offset + p.numel
+    return out
 
 
 def changed_elements(new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import agreement, comm, trace, validation
-from .flat_param import FlatLayout, FlatParameter, FreedView, build_layout, flatten_params, shard_of
+from .flat_param import PADDING_VALUE, FlatLayout, FlatParameter, FreedView, build_layout, flatten_params, shard_of
 from .full_params import FullParams
 from .module_views import HandleState, ModuleViews
 from .options import ShardingStrategy
@@ -64,12 +64,16 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         # views handed to the optimizer and kernels aligned; torch FSDP1 does too.
         align = 16 // self.compute_dtype.itemsize if use_orig_params else 0
         self.layout: FlatLayout = build_layout(entries, aliases, self.world_size, self.rank, align)
+        # This shard's padding ranges, which hold PADDING_VALUE when aligned (qwZ quantizes them as zeros).
+        self.shard_padding = self.layout.shard_padding() if align else []
         agreement.check_same_layout(self.layout, dtype, group, unit_name, dict(
             sharding_strategy=strategy.name, use_orig_params=use_orig_params, param_dtype=param_dtype,
             reduce_dtype=reduce_dtype, keep_low_precision_grads=keep_low_precision_grads,
             frozen_parameters=[e[2] for e in entries if not e[3].requires_grad] or None, **(settings or {})),
             replicate_group)
-        flat = flatten_params(self.layout, params)
+        # With alignment the gaps hold torch FSDP1's marker value, as in its FlatParameter (and so
+        # in LOCAL state dicts); the shard's own tail padding stays zero, as torch's does.
+        flat = flatten_params(self.layout, params, PADDING_VALUE if align else 0)
         self.local_shard = shard_of(flat, self.layout) if self.sharded else flat
         del flat
         # CPU offload: the shard (and the optimizer state built on it) stays on
@@ -289,7 +293,8 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
             if self.secondary is not None and not full_precision:  # ZeRO++ hpZ: backward gather inside the group
                 self._gather_work, self.secondary = self.hpz.gather(self._full, self.secondary, what), None
             elif self.quant is not None and not full_precision:  # ZeRO++ qwZ: int8 blocks on the wire
-                self._gather_work = QuantizedGather(self.quant, self._full, self.local_shard.to(self.device), self.group, what)
+                self._gather_work = QuantizedGather(self.quant, self._full, self.local_shard.to(self.device), self.group,
+                                                    what, self.shard_padding)
             else:
                 self._gather_work = comm.all_gather(self._full, src, self.group, what=what)
         else:

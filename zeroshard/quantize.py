@@ -89,8 +89,12 @@ class Int8BlockQuant:
 class QuantizedGather:
     """An all-gather in flight whose ``wait()`` also dequantizes into the full buffer."""
 
-    def __init__(self, quant: Int8BlockQuant, full: torch.Tensor, shard: torch.Tensor, group, what: str):
+    def __init__(self, quant: Int8BlockQuant, full: torch.Tensor, shard: torch.Tensor, group, what: str, padding=()):
         self.quant, self.full, self.numel = quant, full, shard.numel()
+        if padding:  # ranges holding no parameter: quantized as zeros (use_orig_params' alignment
+            shard = shard.clone()  # gaps hold torch's marker 42, which would set their blocks' scales)
+            for start, end in padding:
+                shard[start:end] = 0
         payload = quant.quantize(shard)
         self.world = group.size()
         self.gathered = payload.new_empty(self.world * payload.numel())
