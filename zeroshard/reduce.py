@@ -23,7 +23,8 @@ The collectives are asynchronous: backward keeps computing the next unit while
 gloo/NCCL reduces this one. Once the next unit's reduction is issued this one
 is waited for and its send buffer, the unsharded gradient, freed (under HSDP
 its replica all-reduce is issued then); the root's end-of-backward callback
-waits for the rest and hands each unit its reduced shard (:func:`finish_reductions`). With ``bucket_cap_mb`` several units'
+waits for the rest and hands each unit its reduced shard
+(:func:`finish_reductions`). With ``bucket_cap_mb`` several units'
 gradients share one collective (see ``bucket``). A communication hook
 (``comm_hooks``) replaces the collective and both divisions for every unit.
 """
@@ -62,6 +63,8 @@ class PendingReduction:
         self.entries, self.work, self.out, self.inp, self.sizes = entries, work, out, inp, sizes
         self.replica_work = None
         _spans(entries, trace.span_begin)
+
+    settled = property(lambda self: self.work is None)
 
     def settle(self):
         """Wait for the collective and drop its send buffer, the units' unsharded gradients (so
@@ -185,8 +188,10 @@ class HookedReduction:
     def __init__(self, handle, out: torch.Tensor):
         self.handle, self.out = handle, out
 
+    settled = True  # the hook ran its collective to completion
+
     def settle(self):
-        pass  # the hook ran its collective to completion
+        pass
 
     def finish(self, apply: bool = True):
         if apply:
@@ -235,8 +240,12 @@ def flush(bucketer: Bucketer | None) -> list[PendingReduction]:
 
 def settle_earlier(pending: list) -> None:
     """Settle every reduction in ``pending`` but the newest: one unsharded gradient stays in
-    flight while backward computes the next unit's, the earlier ones are freed."""
-    for p in pending[:-1]:
+    flight while backward computes the next unit's, the earlier ones are freed. (They settle
+    in launch order, so the unsettled ones are the tail: only those are visited.)"""
+    first = len(pending) - 1
+    while first > 0 and not pending[first - 1].settled:
+        first -= 1
+    for p in pending[first:-1]:
         p.settle()
 
 
