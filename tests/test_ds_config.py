@@ -90,8 +90,9 @@ BAD = [
     ({"zero_optimization": {"stage": "3"}}, r"zero_optimization.stage = '3'"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme"}}}, r"offload_param.device = 'nvme': zeroshard offloads to CPU only"),
     ({"zero_optimization": {"stage": 3, "offload_param": {"device": "CPU"}}}, r"offload_param.device = 'CPU': DeepSpeed's offload devices are \"cpu\", \"nvme\" and \"none\", in lower case"),
-    ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}}, r"zero_optimization.cpu_offload = True: it is an older name of offload_optimizer, which is given too"),
-    ({"zero_optimization": {"stage": 3, "param_persistence_threshold": 10, "stage3_param_persistence_threshold": 10}}, r"older name of stage3_param_persistence_threshold"),
+    ({"zero_optimization": {"stage": 2, "cpu_offload": True, "offload_optimizer": {"device": "none"}}}, r"zero_optimization.cpu_offload = True: it is an older name of offload_optimizer, which is given too with another value \({'device': 'none'}\)"),
+    ({"zero_optimization": {"stage": 3, "param_persistence_threshold": 10, "stage3_param_persistence_threshold": 20}}, r"zero_optimization.param_persistence_threshold = 10: it is an older name of stage3_param_persistence_threshold"),
+    ({"zero_optimization": {"stage": 3, "param_persistence_threshold": -5}}, r"zero_optimization.param_persistence_threshold = -5"),
     ({"zero_optimization": {"stage": 3, "cpu_offload_param": "yes"}}, r"zero_optimization.cpu_offload_param = 'yes': expected true or false"),
     ({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}}, r"parameter offload needs ZeRO stage 3 \(stage is 2\)"),
     ({"zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}}}, r"optimizer offload needs ZeRO stage 1, 2 or 3"),
@@ -158,7 +159,11 @@ def test_older_deepspeed_names_are_read_as_deepspeed_reads_them():
         two = load_config({**MICRO, "zero_optimization": {"stage": 2, "cpu_offload": True}}, 1)
         three = load_config({**MICRO, "zero_optimization": {"stage": 3, "cpu_offload_param": True, "cpu_offload": True,
                                                             "param_persistence_threshold": 1000}}, 1)
-        off = load_config({**MICRO, "zero_optimization": {"stage": 3, "cpu_offload_param": False, "cpu_offload": False}}, 1)
+        off = load_config({**MICRO, "zero_optimization": {"stage": 3, "cpu_offload_param": False, "cpu_offload": None}}, 1)
+        same = load_config({**MICRO, "zero_optimization": {"stage": 3, "param_persistence_threshold": 10,
+                                                           "stage3_param_persistence_threshold": 10,
+                                                           "cpu_offload": True, "offload_optimizer": {"device": "cpu"}}}, 1)
+    assert same.zero.mapped == {"stage3_param_persistence_threshold": 10} and same.zero.offload_optimizer
     assert two.zero.offload_optimizer and not two.zero.offload_param
     assert three.zero.offload_param and three.zero.offload_optimizer
     assert three.zero.mapped == {"stage3_param_persistence_threshold": 1000}
@@ -562,7 +567,7 @@ def test_stage3_only_keys_below_stage3_warn(stage):
     ({"fsdp_sharding_stratgy": "SHARD_GRAD_OP"}, r"unknown fsdp_config field 'fsdp_sharding_stratgy'\. Fix: did you mean fsdp_sharding_strategy\?"),
     ({"offload_param": True}, r"unknown fsdp_config field 'offload_param'\. Fix: did you mean fsdp_offload_params\?"),
     # A whole config's misspelled top-level key was dropped without a word (Accelerate refuses it).
-    ({"distributed_type": "FSDP", "fsdp_confg": {"fsdp_sharding_strategy": 2}}, r"unknown top-level key \(Accelerate refuses it too\) 'fsdp_confg'\. Fix: did you mean fsdp_config\?"),
+    ({"distributed_type": "FSDP", "fsdp_confg": {"fsdp_sharding_strategy": 2}}, r"unknown top-level key \(Accelerate's config files have none such\) 'fsdp_confg'\. Fix: did you mean fsdp_config\?"),
     ({"distributed_type": "FSDP", "mixed_precison": "bf16"}, r"'mixed_precison'\. Fix: did you mean mixed_precision\?"),
     # fsdp_config not a mapping: AttributeError from .items().
     ({"distributed_type": "FSDP", "fsdp_config": ["fsdp_sharding_strategy", 2]}, r"fsdp_config = \['fsdp_sharding_strategy', 2\] is not valid\. Fix: use a mapping"),
@@ -575,11 +580,12 @@ def test_accelerate_misspelled_or_malformed_config_raises(cfg, match):
 
 
 def test_accelerate_whole_config_keys_accelerate_writes_are_accepted():
-    """Every key of Accelerate 1.15's config file (the launcher's own ones are not zeroshard's business)."""
+    """Every key of Accelerate 1.x's config files (the launcher's own ones are not zeroshard's business)."""
     whole = {"compute_environment": "LOCAL_MACHINE", "debug": False, "distributed_type": "FSDP", "downcast_bf16": "no",
              "enable_cpu_affinity": False, "machine_rank": 0, "main_training_function": "main", "mixed_precision": "bf16",
              "num_machines": 1, "num_processes": 2, "rdzv_backend": "static", "same_network": True, "tpu_env": [],
              "tpu_use_cluster": False, "tpu_use_sudo": False, "use_cpu": False, "dynamo_config": {},
+             "ipex_config": {"ipex": False}, "tp_config": {"tp_size": 1},  # earlier 1.x releases' keys
              "fsdp_config": {"fsdp_activation_checkpointing": False, "fsdp_activation_checkpointing_offload": False,
                              "fsdp_auto_wrap_policy": "NO_WRAP", "fsdp_cpu_ram_efficient_loading": True,
                              "fsdp_offload_params": False, "fsdp_sharding_strategy": "FULL_SHARD",

@@ -73,14 +73,14 @@ KNOWN = {"fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_backward_
          "fsdp_use_orig_params", "fsdp_sync_module_states", "fsdp_cpu_ram_efficient_loading", "fsdp_offload_params",
          "fsdp_state_dict_type", "mixed_precision", "fsdp_version", "fsdp_activation_checkpointing",
          "fsdp_activation_checkpointing_offload", "fsdp_ignored_modules"}
-# The keys of a whole Accelerate config file (its ClusterConfig, accelerate 1.15, and the legacy `fp16` and
-# `dynamo_backend` it converts); Accelerate refuses any other.
+# The keys of a whole Accelerate config file (its ClusterConfig in accelerate 1.x: 1.15's, with ipex_config and
+# tp_config of earlier 1.x releases, and the legacy `fp16` and `dynamo_backend` it converts); it refuses any other.
 CONFIG_FILE_KEYS = {"command_file", "commands", "compute_environment", "debug", "deepspeed_config", "distributed_type",
                     "downcast_bf16", "dynamo_backend", "dynamo_config", "enable_cpu_affinity", "fp16", "fp8_config",
-                    "fsdp_config", "gpu_ids", "machine_rank", "main_process_ip", "main_process_port",
+                    "fsdp_config", "gpu_ids", "ipex_config", "machine_rank", "main_process_ip", "main_process_port",
                     "main_training_function", "megatron_lm_config", "mixed_precision", "mpirun_config", "num_machines",
                     "num_processes", "parallelism_config", "rdzv_backend", "same_network", "tpu_env", "tpu_name",
-                    "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_zone", "use_cpu"}
+                    "tp_config", "tpu_use_cluster", "tpu_use_sudo", "tpu_vm", "tpu_zone", "use_cpu"}
 
 
 class FSDPKwargs(dict):
@@ -173,7 +173,7 @@ def from_accelerate_config(config=None, model: nn.Module | None = None) -> FSDPK
     if "fsdp_config" not in config and "distributed_type" not in config:
         fsdp = _prefixed(config)
     else:  # a whole accelerate config file
-        _refuse_unknown(config, CONFIG_FILE_KEYS, "top-level key (Accelerate refuses it too)")
+        _refuse_unknown(config, CONFIG_FILE_KEYS, "top-level key (Accelerate's config files have none such)")
         kind = config.get("distributed_type", "FSDP")
         if str(kind).upper() != "FSDP":
             raise _bad("distributed_type", kind, '"FSDP" (this config is for another backend)')

@@ -91,7 +91,8 @@ DS_ZERO_KEYS = {
     "stage3_module_granularity_threshold", "stage3_param_persistence_threshold", "stage3_prefetch_bucket_size",
     "stage3_use_all_reduce_for_fetch_params", "sub_group_size", "use_all_reduce_for_fetch_params",
     "use_multi_rank_bucket_allreduce", "zenflow", "zero_hpz_partition_size", "zero_quantized_gradients",
-    "zero_quantized_nontrainable_weights", "zero_quantized_weights"}
+    "zero_quantized_nontrainable_weights", "zero_quantized_weights", "mics_shard_size",
+    "mics_hierarchical_params_gather", "zeropp_loco_param"}
 # DeepSpeed's offload sections (DeepSpeedZeroOffloadParamConfig / ...OptimizerConfig); zeroshard reads device
 # (and accepts pin_memory), the rest tune NVMe or partial offload.
 DS_OFFLOAD_KEYS = {"offload_param": {"device", "nvme_path", "buffer_count", "buffer_size", "max_in_cpu", "pin_memory"},
@@ -392,15 +393,18 @@ def _renamed(sec: dict) -> dict:
     and ``param_persistence_threshold`` is ``stage3_param_persistence_threshold``."""
     sec = dict(sec)
     for old, new in DS_RENAMED.items():
-        if old not in sec:
+        if sec.get(old) is None:  # null: DeepSpeed's default for the deprecated flags
+            sec.pop(old, None)
             continue
-        if sec.get(new) is not None:
-            raise _bad(f"zero_optimization.{old}", sec[old], f"it is an older name of {new}, which is given too",
-                       f"keep only {new}")
-        value = sec.pop(old)
+        written = sec.pop(old)
         if new.startswith("offload"):
-            value = {"device": "cpu"} if _bool(f"zero_optimization.{old}", value) else None
-        sec[new] = value
+            value = {"device": "cpu"} if _bool(f"zero_optimization.{old}", written) else None
+        else:  # checked under the name written
+            value = _number(f"zero_optimization.{old}", written)
+        if sec.get(new) is not None and sec[new] != value:
+            raise _bad(f"zero_optimization.{old}", written, f"it is an older name of {new}, which is "
+                       f"given too with another value ({sec[new]!r})", f"keep only {new}")
+        sec[new] = sec[new] if sec.get(new) is not None else value
     return sec
 
 

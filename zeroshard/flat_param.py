@@ -9,8 +9,8 @@ shards, gradients and optimizer states line up element for element:
   reached twice (tied weights) is stored once and the second name becomes an
   alias of the first.
 * With ``use_orig_params=True`` every parameter starts on a 16-byte boundary
-  (zero padding is inserted between parameters) and the total is padded to a
-  multiple of the world size, because the original parameters become views
+  (padding holding torch's marker value 42 is inserted between parameters, and
+  the total is padded with it to a multiple of the world size), because the original parameters become views
   into the buffer and the optimizer must be able to step them in place.
 * With ``use_orig_params=False`` there is no alignment padding; only the last
   shard is padded (see :class:`FlatLayout`).

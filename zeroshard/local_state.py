@@ -186,7 +186,7 @@ def _flat_local(h, value, key: str) -> torch.Tensor:
 
 
 def _write_flat(h, local: torch.Tensor):
-    """Copy checked elements into this rank's shard (zeros in the padding)."""
+    """Copy checked elements (alignment gaps included) into this rank's shard; zero its tail padding."""
     valid = local.numel()
     with torch.no_grad():
         h.local_shard[:valid].copy_(local)
