@@ -324,3 +324,18 @@ def test_small_sets_defaults_an_explicit_count_wins(monkeypatch, module, launche
         got = seen.pop()
         got = got[key] if isinstance(got, dict) else getattr(got, key)
         assert got == want, (argv, got)
+
+
+def test_output_folders_made_for_a_run_that_writes_nothing_are_removed(tmp_path):
+    """check_output_path creates missing folders before training; a run that then failed left
+    them behind, empty. Now they go at exit unless something was written into them."""
+    code = ("import argparse, sys; from zeroshard.cli_args import check_output_path; "
+            "check_output_path(argparse.ArgumentParser(), '--out', sys.argv[1], is_dir=sys.argv[2] == 'dir'); "
+            "sys.argv[3] == 'write' and open(sys.argv[4], 'w').write('x'); raise SystemExit(sys.argv[3] != 'write')")
+    for kind in ("file", "dir"):
+        target = tmp_path / kind / "a" / ("m.pt" if kind == "file" else "ckpt")
+        rc = subprocess.run([sys.executable, "-c", code, str(target), kind, "fail", ""], cwd=ROOT).returncode
+        assert rc == 1 and not (tmp_path / kind).exists()
+        written = target if kind == "file" else target / "x"
+        rc = subprocess.run([sys.executable, "-c", code, str(target), kind, "write", str(written)], cwd=ROOT).returncode
+        assert rc == 0 and written.read_text() == "x"

@@ -5,6 +5,7 @@ and the examples): a count below 1 or a size that is not a number is a usage err
 from __future__ import annotations
 
 import argparse
+import atexit
 import math
 import os
 
@@ -46,7 +47,8 @@ def parameter_count(text: str) -> float:
 def check_output_path(parser: argparse.ArgumentParser, option: str, path: str | None, is_dir: bool = False) -> None:
     """Before any training: ``path`` (a file, or with ``is_dir`` a folder) can be written, else a
     usage error naming ``option`` (it used to fail only once training was done). Missing folders on
-    the way are created here (a file's save would not create them)."""
+    the way are created here (a file's save would not create them), and removed at exit if the
+    run wrote nothing into them."""
     if path is None:
         return
     path = os.path.abspath(path)
@@ -62,7 +64,21 @@ def check_output_path(parser: argparse.ArgumentParser, option: str, path: str | 
         parser.error(f"{option} {path}: a broken symbolic link (to {os.readlink(path)}); remove it or pass another path")
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK):
         parser.error(f"{option} {path}: {parent} is not a writable directory")
-    os.makedirs(path if is_dir else os.path.dirname(path), exist_ok=True)
+    target = path if is_dir else os.path.dirname(path)
+    os.makedirs(target, exist_ok=True)
+    created = []  # innermost first: the folders made here, removed at exit if a failed run left them empty
+    while target != parent:
+        created.append(target)
+        target = os.path.dirname(target)
+    atexit.register(_remove_if_empty, created)
+
+
+def _remove_if_empty(folders: list[str]) -> None:
+    for folder in folders:
+        try:
+            os.rmdir(folder)  # only an empty one: a run that wrote its output keeps it
+        except OSError:
+            return
 
 
 def check_count(where: str, name: str, value, low: int = 1) -> None:
