@@ -40,6 +40,7 @@ The package reads in lifecycle order:
   zero1       -> ZeRO-1: flat fp32 master sharded, gradients reduce-scattered, parameters all-gathered
   loss_scale  -> fp16 static / dynamic loss scaling (DeepSpeed's rules)
   ds_config   -> DeepSpeed JSON config subset: validation, optimizer
+  ds_schema   -> the keys DeepSpeed accepts in the sections it validates (the rest are typos)
   lr_schedules -> DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR
   engine      -> zeroshard.initialize: a DeepSpeed-style engine over DDP / ZeRO-1 / FSDP
   ds_checkpoint -> the engine's save_checkpoint / load_checkpoint directories (DeepSpeed layout)
