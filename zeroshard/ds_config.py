@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ds_schema import (DS_BF16_KEYS, DS_FP16_KEYS, DS_OFFLOAD_KEYS, DS_OPTIMIZER_EXTRA, DS_RENAMED,
+from .ds_schema import (DS_BF16_KEYS, DS_FP16_EXTRA, DS_OFFLOAD_KEYS, DS_OPTIMIZER_EXTRA, DS_RENAMED,
                         DS_SCHEDULER_EXTRA, DS_ZERO_KEYS)
 
 TOP_KEYS = {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
@@ -212,7 +212,7 @@ def load_config(config, world_size: int) -> DeepSpeedConfig:
     if config.get("scheduler") is not None:
         cfg.scheduler = _scheduler(_section("scheduler", config["scheduler"]), unknown)
     fp16 = _section("fp16", config.get("fp16", {}))
-    _sort_out("fp16", [k for k in fp16 if k not in FP16_KEYS], DS_FP16_KEYS, unknown)
+    _sort_out("fp16", [k for k in fp16 if k not in FP16_KEYS], FP16_KEYS | DS_FP16_EXTRA, unknown)
     cfg.fp16 = FP16Config(
         enabled=_bool("fp16.enabled", fp16.get("enabled", False)),
         loss_scale=_number("fp16.loss_scale", fp16.get("loss_scale", 0.0)),
@@ -375,7 +375,8 @@ def _renamed(sec: dict) -> dict:
         if sec.get(new) is not None and sec[new] != value:
             raise _bad(f"zero_optimization.{old}", written, f"it is an older name of {new}, which is "
                        f"given too with another value ({sec[new]!r})", f"keep only {new}")
-        sec[new] = sec[new] if sec.get(new) is not None else value
+        if sec.get(new) is None:
+            sec[new] = value
     return sec
 
 

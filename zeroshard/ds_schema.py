@@ -33,8 +33,7 @@ DS_OFFLOAD_KEYS = {"offload_param": {"device", "nvme_path", "buffer_count", "buf
 # Older names DeepSpeed still reads as the newer keys (its deprecated fields, and a field's name beside its alias).
 DS_RENAMED = {"cpu_offload": "offload_optimizer", "cpu_offload_param": "offload_param",
               "param_persistence_threshold": "stage3_param_persistence_threshold"}
-DS_FP16_KEYS = {"enabled", "loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale",
-                "consecutive_hysteresis", "auto_cast", "fp16_master_weights_and_grads"}
+DS_FP16_EXTRA = {"fp16_master_weights_and_grads"}  # beside the fp16 keys zeroshard reads (ds_config.FP16_KEYS)
 DS_BF16_KEYS = {"enabled", "immediate_grad_update", "check_grad_overflow", "bf16_master_weights_and_grads",
                 "bf16_optimizer_states"}
 DS_OPTIMIZER_EXTRA = {"adam": {"bias_correction", "set_grad_none", "decoupled_weight_decay"}, "sgd": set()}

@@ -285,12 +285,8 @@ def flatten_params(layout: FlatLayout, tensors, padding_value: float = 0) -> tor
     flat = [t.detach() if p.stride is None else t.detach().as_strided((p.numel,), (1,)) for p, t in zip(layout.params, tensors)]
     out = ext.flatten(flat, [p.offset for p in layout.params], layout.numel)
     if padding_value:
-        end = 0
-        for p in [*layout.params, None]:
-            start = layout.numel if p is None else p.offset
-            if start > end:
-                out[end:start].fill_(padding_value)
-            end = start if p is None else p.offset + p.numel
+        for gap in out.split(layout.split_sizes)[::2]:  # [pad, param, pad, ..., pad]
+            gap.fill_(padding_value)
     return out
 
 

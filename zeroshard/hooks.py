@@ -274,19 +274,21 @@ def _start_backward(rt, from_root: bool):
 
 def pre_backward(state):
     handle = state._handle
-    # Once per backward, unless the unit was already reduced and freed in it: a unit called twice in
-    # forward, with a reentrant checkpoint inside, runs one inner backward per call, and the earlier
-    # call's recomputation needs the full parameters again.
-    if handle is not None and handle.ran_pre_backward and not (handle.post_backward_called and handle.sharded
-                                                               and not handle.unsharded):
-        if handle.post_backward_called and not handle.sharded and handle.use_orig_params and handle.orig_exposed:
-            raise RuntimeError(
-                f"zeroshard: unit '{handle.unit_name}' (unsharded, use_orig_params=True) was called more than once "
-                "in forward with a reentrant activation checkpoint inside it: an earlier call's recomputation would "
-                "run on the original parameters after the unit was reduced, and its gradient would be lost. Fix: "
-                "checkpoint with use_reentrant=False (CheckpointImpl.NO_REENTRANT), or use_orig_params=False, or "
-                "a sharded strategy.")
-        return
+    # Once per backward, unless the unit was already reduced in it: a unit called twice in forward,
+    # with a reentrant checkpoint inside, runs one inner backward per call, and the earlier call's
+    # recomputation needs the full parameters again (a sharded unit freed them: gather again).
+    if handle is not None and handle.ran_pre_backward:
+        if not handle.post_backward_called or handle.sharded and handle.unsharded:
+            return
+        if not handle.sharded:
+            if handle.use_orig_params and handle.orig_exposed:
+                raise RuntimeError(
+                    f"zeroshard: unit '{handle.unit_name}' (unsharded, use_orig_params=True) was called more than "
+                    "once in forward with a reentrant activation checkpoint inside it: an earlier call's "
+                    "recomputation would run on the original parameters after the unit was reduced, and its "
+                    "gradient would be lost. Fix: checkpoint with use_reentrant=False (CheckpointImpl.NO_REENTRANT), "
+                    "or use_orig_params=False, or a sharded strategy.")
+            return
     rt = state._runtime
     _start_backward(rt, state._is_root)
     if handle is None:

@@ -70,7 +70,7 @@ class PendingReduction:
         """Wait for the collective and drop its send buffer, the units' unsharded gradients (so
         that, as in torch FSDP1, they do not all live until the end of backward); under HSDP issue
         the replica all-reduce of the shard, which the other ranks issue at the same point."""
-        if self.work is None:
+        if self.settled:
             return
         self.work.wait()
         self.work = self.inp = None
