@@ -250,7 +250,7 @@ def _factored_states(rank, world_size, strategy):
     for engine in ENGINES:
         model, optim, _ = _trained(engine, base, torch.optim.Adafactor, strategy=strategy, use_orig_params=True)
         seen[engine] = (model, optim, _osd(engine, model, optim))
-    (tm, to, t_osd), (zm, zo, z_osd) = seen["torch"], seen["zeroshard"]
+    (_, _, t_osd), (zm, zo, z_osd) = seen["torch"], seen["zeroshard"]
     loaded = _to_load("zeroshard", zm, zo, copy.deepcopy(t_osd))  # torch's dict into zeroshard
     return _same(t_osd, z_osd), _same(loaded, zo.state_dict()), tuple(t_osd["state"]["inp.weight"]["row_var"].shape)
 

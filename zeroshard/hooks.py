@@ -278,8 +278,14 @@ def pre_backward(state):
     # with a reentrant checkpoint inside, runs one inner backward per call, and the earlier call's
     # recomputation needs the full parameters again (a sharded unit freed them: gather again).
     if handle is not None and handle.ran_pre_backward:
-        if not handle.post_backward_called or handle.sharded and handle.unsharded:
+        if not handle.post_backward_called:
             return
+        if handle.sharded and handle.unsharded:
+            if not (handle.use_orig_params and handle.orig_exposed):
+                return
+            # Kept gathered (ZeRO-2 in no_sync), but its post-backward put the sharded parameters back in
+            # the modules: the recomputation needs the full views again.
+            handle.needs_pre_backward_unshard = True
         if not handle.sharded:
             if handle.use_orig_params and handle.orig_exposed:
                 raise RuntimeError(

@@ -260,6 +260,11 @@ class OrigParams:
         wrote = False
         flat_grad = self.flat_param.grad
         had_grad = flat_grad is not None  # one created below for another parameter says nothing of a None .grad
+        # Inside a backward that already reduced this unit (a reentrant checkpoint's recomputation gathers it
+        # again), flat_grad can be an unsharded gradient autograd added since, not yet reduced: the shard's
+        # offsets below do not index it, and the parameters' None .grad says nothing about it.
+        grads = not (self.sharded and had_grad and self._grads_at_backward is not None
+                     and flat_grad.shape != self.local_shard.shape)
         for i, info in enumerate(self.layout.params):
             now = info.module._parameters.get(info.name)
             self._refuse_plain_tensor(info, now)
@@ -285,6 +290,8 @@ class OrigParams:
             elif not _same_storage(p, self.local_shard):
                 self._write_slice(p, self.local_shard, offset, numel, info, "parameter")
                 wrote = True
+            if not grads:
+                continue
             if p.grad is None:
                 if had_grad:
                     flat_grad[offset : offset + numel].zero_()
