@@ -744,11 +744,14 @@ def test_unit_called_twice_with_a_reentrant_checkpoint_on_a_layer_inside(ranks, 
     makes a new one), unreduced, before the earlier call gathers the unit again. That gather's
     write-back of the original parameters took the unsharded gradient for the sharded one and
     zeroed slices of it at the shard's offsets: side's gradients up to 36 % off here, silently (in
-    the parity fuzz's model, under SHARD_GRAD_OP, "mat1 and mat2 must have the same dtype"). torch
-    FSDP1 gets the bf16 case right (in fp32 it fails: setStorage). After a no_sync micro-batch
-    ZeRO-2 keeps the unit gathered through its post-backward, which showed the modules the sharded
-    parameters: the earlier call's recomputation found those (under bf16 "mat1 and mat2 must have the same dtype"); it gets the full views back."""
-    # bf16: each call's part is reduced on its own, in bf16, on top of the no_sync gradient: 0.017 measured
+    the parity fuzz's model, under SHARD_GRAD_OP, "mat1 and mat2 must have the same dtype").
+    Inside no_sync, ZeRO-2 keeps the unit gathered through its post-backward, which showed the
+    modules the sharded parameters: the earlier call's recomputation in that micro-batch's backward
+    found those ("mat1 and mat2 must have the same dtype" in bf16, "mat2 must be a matrix" in
+    fp32); it gets the full views back. (torch FSDP1 gets the bf16 cases right; in fp32 it fails
+    with setStorage, or under SHARD_GRAD_OP in no_sync with "mat2 must be a matrix".)"""
+    # bf16: each call's part is reduced on its own, in bf16 (0.013 measured; 0.017 with the no_sync
+    # micro-batch's gradient under it)
     bound = (2**-5 if no_sync else 2**-6) if param_dtype else 1e-5
     for worst in ranks.run(2, _unit_called_twice_with_reentrant_checkpoint, strategy, param_dtype, True, no_sync):
         assert worst < bound, worst
