@@ -260,9 +260,9 @@ class OrigParams:
         wrote = False
         flat_grad = self.flat_param.grad
         had_grad = flat_grad is not None  # one created below for another parameter says nothing of a None .grad
-        # Inside a backward that already reduced this unit (a reentrant checkpoint's recomputation gathers it
-        # again), flat_grad can be an unsharded gradient autograd added since, not yet reduced: the shard's
-        # offsets below do not index it, and the parameters' None .grad says nothing about it.
+        # Inside a backward, flat_grad can be an unsharded gradient not yet reduced (no_sync's accumulation, or
+        # one autograd added after a reentrant checkpoint's inner backward reduced this unit and it gathers
+        # again): the shard's offsets below do not index it, and the parameters' None .grad says nothing of it.
         grads = not (self.sharded and had_grad and self._grads_at_backward is not None
                      and flat_grad.shape != self.local_shard.shape)
         for i, info in enumerate(self.layout.params):
