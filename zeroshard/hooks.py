@@ -280,14 +280,9 @@ def pre_backward(state):
     if handle is not None and handle.ran_pre_backward:
         if not handle.post_backward_called:
             return
-        if handle.sharded and handle.unsharded:
-            if not (handle.use_orig_params and handle.orig_exposed):
-                return
-            # Kept gathered (ZeRO-2 in no_sync), but its post-backward put the sharded parameters back in
-            # the modules: the recomputation needs the full views again.
-            handle.needs_pre_backward_unshard = True
+        exposed = handle.use_orig_params and handle.orig_exposed
         if not handle.sharded:
-            if handle.use_orig_params and handle.orig_exposed:
+            if exposed:
                 raise RuntimeError(
                     f"zeroshard: unit '{handle.unit_name}' (unsharded, use_orig_params=True) was called more than "
                     "once in forward with a reentrant activation checkpoint inside it: an earlier call's "
@@ -295,6 +290,12 @@ def pre_backward(state):
                     "gradient would be lost. Fix: checkpoint with use_reentrant=False (CheckpointImpl.NO_REENTRANT), "
                     "or use_orig_params=False, or a sharded strategy.")
             return
+        if handle.unsharded:
+            if not exposed:
+                return
+            # Kept gathered (ZeRO-2 in no_sync), but its post-backward put the sharded parameters back in
+            # the modules: the recomputation needs the full views again.
+            handle.needs_pre_backward_unshard = True
     rt = state._runtime
     _start_backward(rt, state._is_root)
     if handle is None:
