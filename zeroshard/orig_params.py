@@ -263,8 +263,11 @@ class OrigParams:
         # Inside a backward, flat_grad can be an unsharded gradient not yet reduced (no_sync's accumulation, or
         # one autograd added after a reentrant checkpoint's inner backward reduced this unit and it gathers
         # again): the shard's offsets below do not index it, and the parameters' None .grad says nothing of it.
-        grads = not (self.sharded and had_grad and self._grads_at_backward is not None
-                     and flat_grad.shape != self.local_shard.shape)
+        # Nor after this backward's post-backward of the unit (gathered again for a recomputation): that set
+        # the grads to None itself (detach_grad_views); under NO_SHARD zeroing for them erased the reduced part.
+        grads = not (self._grads_at_backward is not None
+                     and (self.post_backward_called
+                          or (self.sharded and had_grad and flat_grad.shape != self.local_shard.shape)))
         for i, info in enumerate(self.layout.params):
             now = info.module._parameters.get(info.name)
             self._refuse_plain_tensor(info, now)
