@@ -83,10 +83,10 @@ def pre_forward(state):
     handle.forward_version = handle.flat_param._version if handle.sharded else None  # (kept.keep_forward_edits)
     hooked = handle.post_backward_hook is not None
     if hooked and handle.post_backward_called and torch.is_grad_enabled() and handle.flat_param.requires_grad:
-        # Recomputed in the backward that already reduced it (a reentrant checkpoint around it, one
-        # recomputation per forward): under mixed precision the gather gave .data another dtype, so
-        # this gradient comes through a new AccumulateGrad node. The spent hook moves there, or the
-        # gradient would never be reduced.
+        # Run again in the backward that already reduced it (a reentrant checkpoint around it, one
+        # recomputation per forward; or any forward with grad mode inside that backward): under mixed
+        # precision the gather gave .data another dtype, so this gradient comes through a new
+        # AccumulateGrad node. The spent hook moves there, or the gradient would never be reduced.
         node, hook = handle.post_backward_hook
         if _accumulate_node(handle.flat_param) is not node:
             hook.remove()

@@ -264,7 +264,8 @@ class OrigParams:
         # one autograd added after a reentrant checkpoint's inner backward reduced this unit and it gathers
         # again): the shard's offsets below do not index it, and the parameters' None .grad says nothing of it.
         # Nor after this backward's post-backward of the unit (gathered again for a recomputation): that set
-        # the grads to None itself (detach_grad_views); under NO_SHARD zeroing for them erased the reduced part.
+        # the grads to None itself (detach_grad_views), or to views of the flat gradient (no_sync); under
+        # NO_SHARD zeroing for those Nones erased the reduced part.
         grads = not (self._grads_at_backward is not None
                      and (self.post_backward_called
                           or (self.sharded and had_grad and flat_grad.shape != self.local_shard.shape)))
