@@ -862,7 +862,9 @@ def _two_forwards_one_backward(rank, world_size, strategy, use_orig_params, para
         if not param_dtype:
             for (n, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):
                 assert torch.equal(p, q), (step, n)
-    assert not zs.unsharded_tracker.live or strategy == "NO_SHARD"
+    # Ours only: a model an earlier test in this rank's pool left gathered may not be collected yet.
+    mine = {u._handle for u in zs.FSDP.fsdp_modules(ours)}
+    assert not mine.intersection(zs.unsharded_tracker.live) or strategy == "NO_SHARD"
     return worst
 
 
