@@ -128,7 +128,8 @@ def _checkpointed_parity(rank, world_size, model_name, place, reentrant, strateg
                 assert torch.equal(a.grad, b.grad), f"step {step}: grad of {n} differs by {(a.grad - b.grad).abs().max()}"
         # Nothing gathered is left: every unit's padded storage is really freed.
         live_after.append(([h.padded.untyped_storage().size() for h in handles if h.sharded],
-                           len(zs.unsharded_tracker.live), zs.unsharded_tracker.peak_non_root_units))
+                           len(set(handles).intersection(zs.unsharded_tracker.live)),
+                           zs.unsharded_tracker.peak_non_root_units))
         opt_ref.step()
         opt_ours.step()
         opt_ref.zero_grad()
@@ -473,7 +474,8 @@ def _checkpoint_around_the_root(rank, world_size, strategy, reentrant):
             for (n, a), (_, b) in zip(ref.named_parameters(), ours.named_parameters()):
                 assert torch.equal(a.grad, b.grad), (step, n, float((a.grad - b.grad).abs().max()))
     assert not [w for w in caught if "zeroshard" in str(w.message)], [str(w.message) for w in caught]
-    assert not zs.unsharded_tracker.live or strategy == "NO_SHARD"
+    mine = set(ours._runtime.handles)  # an earlier test's model in this rank pool may await collection
+    assert not mine.intersection(zs.unsharded_tracker.live) or strategy == "NO_SHARD"
     return True
 
 
