@@ -28,6 +28,14 @@ def _critic():
     return nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Sequential(nn.Linear(8, 8), nn.GELU()), nn.Linear(8, 1))
 
 
+def _frozen_critic():
+    """A wholly frozen unit in the middle: the parameter penalty's graph runs through its weights
+    (the input gradients do), but it has no gradient node of its own."""
+    model = _critic()
+    model[2][0].requires_grad_(False)
+    return model
+
+
 def _unit_norm(g):
     """WGAN-GP's penalty: each sample's input gradient pushed to norm 1."""
     return (g.norm(2, dim=1) - 1).pow(2).mean()
@@ -91,6 +99,7 @@ HOW = {
     "input_no_sync": (_critic, [(_input_penalty, False), (_input_penalty, True)]),
     "inside_forward": (PenaltyInForward, [(lambda m, x: m(x), True)]),
     "parameters": (_critic, [(_param_penalty, True)]),
+    "parameters_frozen_unit": (_frozen_critic, [(_param_penalty, True)]),
     "wgan_gp": (_critic, [(_wgan_gp, True)]),
     # The penalty's own backward reaches the last unit only through the graph of
     # gradients, never through that unit's output.
@@ -154,6 +163,10 @@ def _gradient_penalty(rank, world_size, how, strategy, use_orig_params):
     ("input", "NO_SHARD", False), ("input_no_sync", "FULL_SHARD", False), ("input_no_sync", "SHARD_GRAD_OP", False),
     ("inside_forward", "FULL_SHARD", False), ("inside_forward", "SHARD_GRAD_OP", True),
     ("parameters", "FULL_SHARD", False), ("parameters", "SHARD_GRAD_OP", True),
+    # Freed after the create_graph backward, the frozen unit failed the next one with "setStorage: ...
+    # out of bounds" under use_orig_params=False (torch FSDP1 fails there with or without it).
+    ("parameters_frozen_unit", "FULL_SHARD", False), ("parameters_frozen_unit", "SHARD_GRAD_OP", False),
+    ("parameters_frozen_unit", "SHARD_GRAD_OP", True),
     ("wgan_gp", "FULL_SHARD", False), ("wgan_gp", "FULL_SHARD", True), ("wgan_gp", "SHARD_GRAD_OP", False),
     ("penalty_backward_alone", "FULL_SHARD", False), ("penalty_backward_alone", "SHARD_GRAD_OP", True),
     ("no_grad_forward_between", "FULL_SHARD", False), ("no_grad_forward_between", "SHARD_GRAD_OP", True),

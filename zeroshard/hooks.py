@@ -405,11 +405,16 @@ def post_backward_final(root):
             # units it gathered: the graph it built holds them for the backward still to come. The
             # post-backward waits for the node that graph feeds, taken before the reshard: under mixed
             # precision a new dtype of .data gives later forwards other nodes, which run first.
-            if rt.graph_backward and handle.ran_pre_backward and handle.flat_param.requires_grad:
-                with torch.enable_grad():
-                    handle.graph_node = _accumulate_node(handle.flat_param)
+            if rt.graph_backward and handle.ran_pre_backward:
+                if handle.flat_param.requires_grad:
+                    with torch.enable_grad():
+                        handle.graph_node = _accumulate_node(handle.flat_param)
+                # A frozen unit's parameters are in that graph too (the input gradients flow through
+                # them), but no node of theirs tells when it has run: kept until the next backward ends.
                 handle.graph_kept = handle.unsharded and handle.sharded
                 handle.graph_version = handle.shard_version()
+            elif handle.graph_kept and not handle.flat_param.requires_grad:
+                handle.graph_kept = False  # the backward through the graph has run (frozen: see above)
             if (handle.unsharded and not handle.always_full) or (handle.use_orig_params and not handle.orig_exposed):
                 handle.reshard(not handle.graph_kept and _free_in_backward(state, handle))
             handle.secondary = None
