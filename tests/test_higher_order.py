@@ -36,6 +36,20 @@ def _frozen_critic():
     return model
 
 
+class _SkippedFrozen(nn.Module):
+    """A frozen unit that one of two penalties' forwards skips."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.a, self.f, self.h = nn.Linear(5, 8), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 1)
+        self.f.requires_grad_(False)
+
+    def forward(self, x, use_f=True):
+        y = torch.tanh(self.a(torch.tanh(self.inp(x))))
+        return self.h(nn.functional.gelu(self.f(y)) if use_f else y)
+
+
 def _unit_norm(g):
     """WGAN-GP's penalty: each sample's input gradient pushed to norm 1."""
     return (g.norm(2, dim=1) - 1).pow(2).mean()
@@ -62,11 +76,17 @@ def _input_penalty(model, x):
     return out.mean() + 10 * _unit_norm(g)
 
 
-def _param_penalty(model, x):
+def _param_penalty(model, x, **kwargs):
     # Each rank penalizes its own (unreduced) parameter gradient, as under DDP.
-    loss = model(x).pow(2).mean()
+    loss = model(x, **kwargs).pow(2).mean()
     grads = torch.autograd.grad(loss, [p for p in model.parameters() if p.requires_grad], create_graph=True)
     return loss + sum(g.pow(2).sum() for g in grads)
+
+
+def _two_param_penalties(model, x):
+    """Two create_graph backwards, then one backward through both graphs; the second
+    skips the frozen unit, which the first graph still holds."""
+    return _param_penalty(model, x[:3]) + _param_penalty(model, x[3:], use_f=False)
 
 
 def _wgan_gp(model, x, parts="all"):
@@ -100,6 +120,7 @@ HOW = {
     "inside_forward": (PenaltyInForward, [(lambda m, x: m(x), True)]),
     "parameters": (_critic, [(_param_penalty, True)]),
     "parameters_frozen_unit": (_frozen_critic, [(_param_penalty, True)]),
+    "two_penalties_one_skipping_a_frozen_unit": (_SkippedFrozen, [(_two_param_penalties, True)]),
     "wgan_gp": (_critic, [(_wgan_gp, True)]),
     # The penalty's own backward reaches the last unit only through the graph of
     # gradients, never through that unit's output.
@@ -154,6 +175,8 @@ def _gradient_penalty(rank, world_size, how, strategy, use_orig_params):
         opt.step()
         opt.zero_grad()
         got.append(model.state_dict())
+        # Nothing is left gathered: units a create_graph backward kept are freed by the backward through its graph.
+        assert not [h.unit_name for h in model._runtime.handles if h.unsharded and h.sharded], step
     want = _reference(how, world_size)
     return all(g.keys() == w.keys() and all(torch.equal(g[k], w[k]) for k in w) for g, w in zip(got, want))
 
@@ -167,6 +190,7 @@ def _gradient_penalty(rank, world_size, how, strategy, use_orig_params):
     # out of bounds" under use_orig_params=False (torch FSDP1 fails there with or without it).
     ("parameters_frozen_unit", "FULL_SHARD", False), ("parameters_frozen_unit", "SHARD_GRAD_OP", False),
     ("parameters_frozen_unit", "SHARD_GRAD_OP", True),
+    ("two_penalties_one_skipping_a_frozen_unit", "FULL_SHARD", False),
     ("wgan_gp", "FULL_SHARD", False), ("wgan_gp", "FULL_SHARD", True), ("wgan_gp", "SHARD_GRAD_OP", False),
     ("penalty_backward_alone", "FULL_SHARD", False), ("penalty_backward_alone", "SHARD_GRAD_OP", True),
     ("no_grad_forward_between", "FULL_SHARD", False), ("no_grad_forward_between", "SHARD_GRAD_OP", True),

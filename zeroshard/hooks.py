@@ -413,8 +413,10 @@ def post_backward_final(root):
                 # them), but no node of theirs tells when it has run: kept until the next backward ends.
                 handle.graph_kept = handle.unsharded and handle.sharded
                 handle.graph_version = handle.shard_version()
-            elif handle.graph_kept and not handle.flat_param.requires_grad:
-                handle.graph_kept = False  # the backward through the graph has run (frozen: see above)
+            elif handle.graph_kept and not handle.flat_param.requires_grad and not rt.graph_backward:
+                # The backward through the graph has run (frozen: see above); not another create_graph
+                # backward that did not reach the unit: the first graph still holds it.
+                handle.graph_kept = False
             if (handle.unsharded and not handle.always_full) or (handle.use_orig_params and not handle.orig_exposed):
                 handle.reshard(not handle.graph_kept and _free_in_backward(state, handle))
             handle.secondary = None
