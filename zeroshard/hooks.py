@@ -410,7 +410,8 @@ def post_backward_final(root):
                     with torch.enable_grad():
                         handle.graph_node = _accumulate_node(handle.flat_param)
                 # A frozen unit's parameters are in that graph too (the input gradients flow through
-                # them), but no node of theirs tells when it has run: kept until the next backward ends.
+                # them), but no node of theirs tells when it has run: kept until a later backward without
+                # create_graph ends.
                 handle.graph_kept = handle.unsharded and handle.sharded
                 handle.graph_version = handle.shard_version()
             elif handle.graph_kept and not handle.flat_param.requires_grad and not rt.graph_backward:
