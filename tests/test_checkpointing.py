@@ -38,6 +38,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
 from torch.utils.checkpoint import checkpoint
 
 import zeroshard as zs
+from zeroshard.flat_param import flatten_params, shard_of
 from models import Block, TransformerBlock, batch, build
 
 
@@ -812,10 +813,8 @@ def _plain_unit_grads(ours, a, b, dtype, rank, world_size):
         if isinstance(unit, zs.FSDP):
             layout = unit._handle.layout
             prefix = (name + ".").replace("_fsdp_wrapped_module.", "").lstrip(".")
-            flat = torch.zeros(layout.padded_numel if unit._handle.sharded else layout.numel)
-            for info in layout.params:
-                flat[info.offset : info.offset + info.numel] = grads[prefix + info.fqn].flatten()
-            expected[unit] = flat[layout.rank * layout.shard_numel :][: layout.shard_numel] if unit._handle.sharded else flat
+            flat = flatten_params(layout, [grads[prefix + info.fqn] for info in layout.params])
+            expected[unit] = shard_of(flat, layout) if unit._handle.sharded else flat
     return expected
 
 
@@ -846,13 +845,10 @@ def _two_forwards_one_backward(rank, world_size, strategy, use_orig_params, para
                 scale = float(want.abs().max()) + 1e-6
                 worst = max(worst, float((got - want).abs().max()) / scale)
                 if use_orig_params:  # what the optimizer steps: the original parameters' views of it
-                    for p, info, sl in zip(h.orig_params, h.layout.params, h.layout.shard_slices):
-                        if not h.sharded:
-                            part = got[info.offset :][: info.numel]
-                        else:
-                            part = None if sl is None else got[sl.offset_in_shard :][: sl.numel_in_shard]
-                        assert (p.grad is None) == (part is None), (step, info.fqn)
-                        assert part is None or torch.equal(p.grad.flatten(), part), (step, info.fqn)
+                    for i, (p, info) in enumerate(zip(h.orig_params, h.layout.params)):
+                        own = h._own_range(i)  # (offset, numel) in the shard; None: no element here
+                        assert (p.grad is None) == (own is None), (step, info.fqn)
+                        assert own is None or torch.equal(p.grad.flatten(), got[own[0] :][: own[1]]), (step, info.fqn)
         else:
             for (n, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):
                 assert (p.grad is None) == (q.grad is None), (step, n)
@@ -865,7 +861,7 @@ def _two_forwards_one_backward(rank, world_size, strategy, use_orig_params, para
             for (n, p), (_, q) in zip(ref.named_parameters(), ours.named_parameters()):
                 assert torch.equal(p, q), (step, n)
     # Ours only: a model an earlier test in this rank's pool left gathered may not be collected yet.
-    mine = {u._handle for u in zs.FSDP.fsdp_modules(ours)}
+    mine = set(ours._runtime.handles)
     assert not mine.intersection(zs.unsharded_tracker.live) or strategy == "NO_SHARD"
     return worst
 
