@@ -878,7 +878,7 @@ def test_two_forwards_through_a_reentrant_checkpoint_around_units_reduce_as_torc
       gradient came through a new AccumulateGrad node with no post-backward hook: unreduced (a
       full-size bf16 gradient on every rank, and the optimizer step failed on the shapes; under
       NO_SHARD no error, gradients 40 % of the largest off, silently). The spent hook now moves
-      to that node (hooks.pre_forward);
+      to that node (forward_pass.pre_forward);
     * NO_SHARD with use_orig_params: the gather's write-back took the None .grad the first
       post-backward had left on the original parameters for the user's and zeroed the reduced
       gradient: in fp32 every block's gradient off by about its own size, silently.

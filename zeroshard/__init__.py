@@ -16,7 +16,8 @@ The package reads in lifecycle order:
   hpz         -> ZeRO++ hpZ: secondary shards, backward all-gather within a group
   working_set -> which units are gathered right now (unsharded_tracker)
   prefetch    -> execution order, forward / backward prefetch, limit_all_gathers (RootRuntime)
-  hooks       -> when each step runs in forward / backward
+  forward_pass -> the hooks around each unit's forward: gather, free, hook the backward
+  backward_pass -> pre-backward gather, post-backward free + reduce-scatter, end of backward
   wrap        -> which submodules become units (auto-wrap policies)
   fully_sharded -> the FullyShardedDataParallel module itself
   state_dict_api -> its state-dict methods (state_dict, optim_state_dict, summon_full_params, ...)

@@ -53,7 +53,7 @@ class FullParams:
             _register(info.module, info.name, params[info.prim_index])
         if with_grads and any_grad:
             undo["grads"] = self._gather_full_grads(params)
-        self.summoned_writeback = writeback  # (hooks.pre_forward: a forward inside the block)
+        self.summoned_writeback = writeback  # (forward_pass.pre_forward: a forward inside the block)
         return undo
 
     def _any_rank_has_grad(self) -> bool:

@@ -4,7 +4,7 @@ Construction is the *shard* step of ZeRO-3: auto-wrap submodules into units
 (bottom-up), then flatten this unit's remaining parameters into one
 FlatParameter and keep 1/N of it. The first forward makes the outermost
 instance the root, which owns the execution order and the end-of-backward
-callback shared by all units below it (see ``hooks``).
+callback shared by all units below it (see ``backward_pass``).
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import ActivationWrapper
 
-from . import agreement, comm_hooks, groups, hooks, materialize, parent_load, prefetch, validation
+from . import agreement, comm_hooks, forward_pass, groups, materialize, parent_load, prefetch, validation
 from . import state_dict as sd
 from .bucket import unit_strategy
 from .flat_param import collect_params, kept_out
@@ -246,16 +246,16 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
     def forward(self, *args, **kwargs):
         args, kwargs = self._before_forward(args, kwargs)
         if not self._is_root:
-            return hooks.post_forward(self, self._fsdp_wrapped_module(*args, **kwargs))
+            return forward_pass.post_forward(self, self._fsdp_wrapped_module(*args, **kwargs))
         self._runtime.in_forward = True
         try:
             output = self._fsdp_wrapped_module(*args, **kwargs)
         except BaseException:  # (in_forward is read by backward hooks only; finally resets it)
-            hooks.end_interrupted_forward(self._runtime)
+            forward_pass.end_interrupted_forward(self._runtime)
             raise
         finally:
             self._runtime.in_forward = False
-        return hooks.post_forward(self, output)
+        return forward_pass.post_forward(self, output)
 
     @torch.compiler.disable(reason=_EAGER_RUNTIME)
     def _before_forward(self, args, kwargs):
@@ -263,8 +263,8 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
         mp, h = self.mixed_precision, self._handle
         full_precision = h is not None and h.forced_full_precision  # FSDP_USE_FULL_PREC_IN_EVAL in eval mode
         if self._is_root:
-            hooks.root_pre_forward(self)  # before the hook below: it settles which FlatParameters require grad
-            if not hooks._in_backward():  # a reentrant checkpoint around the root: recomputed in its backward
+            forward_pass.root_pre_forward(self)  # before the hook below: it settles which FlatParameters require grad
+            if not forward_pass.in_backward():  # a reentrant checkpoint around the root: recomputed in its backward
                 self._runtime.reentrant_forward = _reentrant_first_forward(args, kwargs)
             args, kwargs = root_inputs((args, kwargs), self.compute_device)
             if mp.cast_root_forward_inputs and not full_precision and (self.training or not self._use_full_prec_in_eval):
@@ -273,7 +273,7 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
             args, kwargs = cast_floats((args, kwargs), mp.param_dtype)
         if h is not None:
             h.recompute_ahead = _reentrant_first_forward(args, kwargs)
-        hooks.pre_forward(self)
+        forward_pass.pre_forward(self)
         return args, kwargs
 
     @contextlib.contextmanager

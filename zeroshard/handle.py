@@ -12,7 +12,7 @@
   re-filled in place by the next all-gather, which is why the storage object is
   reused rather than reallocated.
 
-Gradient reduction lives in ``reduce``; when these steps run is ``hooks``'s job.
+Gradient reduction lives in ``reduce``; when these steps run is ``forward_pass``'s and ``backward_pass``'s job.
 """
 from __future__ import annotations
 
@@ -105,23 +105,23 @@ class FlatParamHandle(ModuleViews, OrigParams, FullParams):
         # A create_graph backward built a graph holding this unit's full parameters, still to be
         # backpropagated: the AccumulateGrad node it feeds, whether the full buffer is kept for it
         # (the FlatParameter pointing at the shard meanwhile) and the shard_version() it holds
-        # (see hooks.post_backward_final)
+        # (see backward_pass.post_backward_final)
         self.graph_node = None
         self.graph_kept = False
         self.accumulate_node = None  # the FlatParameter's AccumulateGrad node, kept across iterations (end_iteration)
-        self.recompute_ahead = False  # set by each forward: kept past a no-grad forward (hooks.post_forward)
+        self.recompute_ahead = False  # set by each forward: kept past a no-grad forward (forward_pass.post_forward)
         self.graph_version: tuple[int, int, int] | None = None
         self.needs_pre_forward_unshard = False
         self.needs_pre_backward_unshard = False
         self.ran_pre_backward = False
         self.post_backward_called = False
         # The post-backward hook on this iteration's first AccumulateGrad node
-        # (node, removable handle), and whether any gradient accumulated (see hooks).
+        # (node, removable handle), and whether any gradient accumulated (see backward_pass).
         self.post_backward_hook = None
         self.accumulate_hooked = self.grad_accumulated = False
         self.summoned_writeback: bool | None = None  # inside summon_full_params: its writeback (full_params)
         self.summoned_rank0_only = False  # inside summon_full_params(rank0_only=True), on every rank (summon)
-        self.forward_views: list | None = None  # the views made as the post-backward hook was placed (hooks.pre_forward)
+        self.forward_views: list | None = None  # the views made as the post-backward hook was placed (forward_pass.pre_forward)
         self.pre_forward_index: int | None = None
         self.post_forward_index: int | None = None
         self.saved_grad_shard: torch.Tensor | None = None

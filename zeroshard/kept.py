@@ -4,7 +4,7 @@ ZeRO-3 frees a unit's full parameters as soon as its forward or backward is
 done; a few paths leave them gathered for a while (a forward prefetch whose
 unit was skipped, a forward with grad mode whose backward never came, a
 create_graph backward whose graph is still to be backpropagated: see
-hooks.post_backward_final). Before the next root forward these must not be
+backward_pass.post_backward_final). Before the next root forward these must not be
 reused if the optimizer changed the shard since. And an exception inside
 backward skips the end-of-backward callback, so the runtime is put back in a
 state the next step can train from.

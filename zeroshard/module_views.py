@@ -59,7 +59,7 @@ class ModuleViews:
         Under mixed precision a sharded unit's backward gets its first forward's
         views back, as torch FSDP1's does (see below).
         """
-        views = self.forward_views  # hooks.pre_forward: those made as the post-backward hook was placed
+        views = self.forward_views  # forward_pass.pre_forward: those made as the post-backward hook was placed
         if not (self.state == HandleState.BACKWARD_PRE and views and self._full.dtype != self.local_shard.dtype
                 and views[0].untyped_storage().data_ptr() == self._full.untyped_storage().data_ptr()):
             # Views made under no_grad would carry requires_grad without a grad_fn:

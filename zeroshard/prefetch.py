@@ -7,7 +7,7 @@ comes from the order recorded in the first iteration's forward
 forward just before this one runs backward just after it). ``limit_all_gathers``
 caps how many units are gathered at once, as torch FSDP1's rate limiter does.
 :class:`RootRuntime` holds that order and the reductions in flight, shared by
-all units under one root; ``hooks`` calls these at each step.
+all units under one root; ``forward_pass`` and ``backward_pass`` call these at each step.
 """
 from __future__ import annotations
 

@@ -69,7 +69,7 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
                 while undo:
                     h, u = undo.pop()
                     h.exit_full_params(False, u)
-            for h in handles:  # on every rank: a forward inside is refused alike (hooks.pre_forward)
+            for h in handles:  # on every rank: a forward inside is refused alike (forward_pass.pre_forward)
                 h.summoned_rank0_only = rank0_only
             yield
         finally:
