@@ -253,15 +253,23 @@ def _groups_misused_and_subgroups(rank, world_size):
     (2) fsdp_group_size silently replaced process_group. (3) A model sharded
     over {0,1} (and another over {2,3}): its LOCAL state dict raised 'Global
     rank 0 does not exist' on {2,3}, and optim_state_dict_to_load checked
-    over the world, waiting for ranks outside the model."""
+    over the world, waiting for ranks outside the model. (4) Replicate groups
+    of different sizes ({0,2}, {1}, {3}): with auto-wrapped units, ranks 1 and
+    3 failed at construction with an internal TypeError (their shard-group
+    exchanges paired with other ones), ranks 0 and 2 with a 'layout' naming a
+    whole tuple; left alone, positions 1 never averaged and drifted apart."""
     import torch.distributed as dist
 
     shard = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     crossed = [dist.new_group([0, 3]), dist.new_group([1, 2])]
+    uneven = [dist.new_group([0, 2]), dist.new_group([1]), dist.new_group([3])]
     mine, other = shard[rank // 2], crossed[0 if rank in (0, 3) else 1]
     said = []
-    for kw in ({"process_group": (mine, other), "sharding_strategy": zs.ShardingStrategy.HYBRID_SHARD},
-               {"process_group": (mine, other), "fsdp_group_size": 2}):
+    hybrid = {"sharding_strategy": zs.ShardingStrategy.HYBRID_SHARD}
+    for kw in ({"process_group": (mine, other), **hybrid},
+               {"process_group": (mine, other), "fsdp_group_size": 2},
+               {"process_group": (mine, uneven[{0: 0, 2: 0, 1: 1, 3: 2}[rank]]), **hybrid,
+                "auto_wrap_policy": zs.wrap.ModuleWrapPolicy({Block})}):
         try:
             zs.FSDP(build("mlp"), **kw)(batch("mlp", rank, 0))  # the grid is checked at the first forward
             said.append(None)
@@ -292,6 +300,7 @@ def test_hybrid_groups_misused_and_models_on_subgroups(ranks):
     for said, restored in ranks.run(4, _groups_misused_and_subgroups):
         assert said[0] is not None and "joins ranks at different positions" in said[0] and "Fix" in said[0], said
         assert said[1] is not None and "pass only one of process_group, device_mesh and fsdp_group_size" in said[1], said
+        assert said[2] is not None and "replicate groups have different sizes" in said[2] and "Fix" in said[2], said
         assert restored
 
 

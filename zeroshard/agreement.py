@@ -33,9 +33,9 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings
             sorted((k, str(v)) for k, v in (settings or {}).items()))
     what = f"construction (comparing unit '{unit_name}' across ranks)"
     diff = _layout_difference(mine, group, what)
-    if replicate_group is not None and replicate_group.size() > 1:
+    if replicate_group is not None:  # (on every rank of the shard group: a replicate group of 1 too, see check_grid)
         across = _layout_difference(mine, replicate_group, what)  # every rank runs both comparisons
-        found = comm.first_problem(diff or across, group, what)
+        found = comm.first_problem(diff or across, group, f"construction (sharing what the comparisons of unit '{unit_name}' found)")
         diff = found[1] if found is not None else None
     if diff is not None:
         raise ValueError(

@@ -151,19 +151,28 @@ def check_grid(shard, replicate) -> None:
     same position in a shard group of the same size. Crossed columns (ranks 0
     and 3 of shard groups {0,1}, {2,3} replicating each other) would add up
     different halves of each parameter: replicas diverging silently; shard
-    groups of different sizes hang in the first collective. Checked once per
-    pair of groups, by one exchange over the replicate group, at the root's
-    first forward (not at construction: a rank whose construction raised
-    would leave the others waiting in it)."""
+    groups of different sizes hang in the first collective. And every rank of
+    a shard group has a replicate group of one size: ranks 1 and 3 of shard
+    groups {0,1}, {2,3} left alone while 0 and 2 replicate each other never
+    average their half, which drifts apart. Checked once per pair of groups,
+    by one exchange over each group, at the root's first forward (not at
+    construction: a rank whose construction raised would leave the others
+    waiting in it)."""
     mine = (dist.get_rank(shard), dist.get_world_size(shard))
     everyone = comm.gather_objects(mine, replicate, what="HYBRID_SHARD: checking the replicate group's shard positions")
+    sizes = comm.gather_objects(dist.get_world_size(replicate), shard, what="HYBRID_SHARD: checking the replicate groups' sizes")
+    fix = ("Fix: build the groups as a grid, e.g. init_device_mesh('cpu', (replicas, shard_size)) and device_mesh=, "
+           "or fsdp_group_size=k.")
     if any(theirs != mine for theirs in everyone):
         ranks = dist.get_process_group_ranks(replicate)
         seen = ", ".join(f"rank {r}: {p} of {n}" for r, (p, n) in zip(ranks, everyone))
         raise ValueError(f"zeroshard: HYBRID_SHARD's replicate group (ranks {ranks}) joins ranks at different positions "
-                         f"of their shard groups ({seen}); each must hold the same part of the model. Fix: build the "
-                         "groups as a grid, e.g. init_device_mesh('cpu', (replicas, shard_size)) and device_mesh=, "
-                         "or fsdp_group_size=k.")
+                         f"of their shard groups ({seen}); each must hold the same part of the model. {fix}")
+    if len(set(sizes)) > 1:
+        seen = ", ".join(f"rank {r}: {n}" for r, n in zip(dist.get_process_group_ranks(shard), sizes))
+        raise ValueError(f"zeroshard: HYBRID_SHARD's replicate groups have different sizes across the shard group "
+                         f"(ranks {dist.get_process_group_ranks(shard)}; replicas {seen}): the parts of the model held by "
+                         f"the ranks in smaller groups would be averaged over fewer replicas, or none, and drift apart. {fix}")
 
 
 def _check_member(group, what: str) -> None:
