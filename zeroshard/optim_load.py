@@ -141,12 +141,32 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
         groups, problem = _param_groups(source.param_groups, optim, fqn_groups), None
     except ValueError as e:
         problem = e
+    state = empty_shard = None
+    if problem is None and not source.collective:
+        # Nothing to fetch: this rank's dict converts, or fails its per-parameter checks (a state's shape,
+        # a state missing for some of a FlatParameter's parameters), before the ranks agree, so a dict bad on
+        # one rank raises on every rank instead of loading on the others.
+        try:
+            state, empty_shard = _convert(index, params, source)
+        except ValueError as e:
+            problem = e
     if agree:  # over the model's groups unless told (a model on some ranks only: the others are not in the call)
         root = units_of(model)[0]
         pgs = [group] if group is not None else [root.process_group, getattr(root, "_replicate_group", None)]
         _agree(problem, source.row_keys if source is not None else [], [g for g in pgs if g is not None])
     elif problem is not None:
         raise problem
+    if state is None:
+        state, empty_shard = _convert(index, params, source)
+    state = dict(sorted(state.items()))  # the optimizer's order
+    if named:
+        return _by_name(model, optim, params, state, groups, empty_shard)
+    return {"state": state, "param_groups": groups}
+
+
+def _convert(index: dict, params: list, source) -> tuple[dict, list]:
+    """(this rank's state by optimizer position, the positions whose parameter has no element in
+    this rank's shard), from the full states ``source`` gives."""
     pid_of = {id(p): pid for pid, p in enumerate(params)}
     state, empty_shard = {}, []
     # The model's parameters in the model's order, the same on every rank, so the fetches' collectives match
@@ -170,10 +190,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
             st = {k: v.clone() if torch.is_tensor(v) else v for k, v in full.items()} if full is not None else None
         if st:
             state[pid] = st
-    state = dict(sorted(state.items()))  # the optimizer's order
-    if named:
-        return _by_name(model, optim, params, state, groups, empty_shard)
-    return {"state": state, "param_groups": groups}
+    return state, empty_shard
 
 
 def _saved_groups_over(model: nn.Module, index: dict, saved_groups: list) -> SimpleNamespace:
