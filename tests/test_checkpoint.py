@@ -605,3 +605,33 @@ def test_consolidate_cli_points_at_key_for_a_checkpoint_of_several_state_dicts(r
     proc = subprocess.run([sys.executable, "-m", "zeroshard.consolidate", ckpt, str(tmp_path / "all.pt")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "--key model writes that one alone" in proc.stderr, proc.stderr
+
+
+def _rows_to_one_file(rank, world_size, tmp, kind):
+    """A SHARDED (DTensor rows) or LOCAL (ShardedTensor flat shards) state dict saved by every rank
+    with checkpoint.save to one path: each rename replaced the others' file, and the checkpoint kept
+    one rank's rows; at equal row counts its reload was silently wrong. Refused on every rank before
+    anything is written; a path per rank saves and reloads exactly."""
+    model = zs.FSDP(build("mlp", seed=1))
+    sdt = getattr(zs.StateDictType, kind)
+    with zs.FSDP.state_dict_type(model, sdt):
+        state = model.state_dict()
+        one = os.path.join(tmp, f"{kind}.pt")
+        with pytest.raises(ValueError, match="save to the same file .* Fix: zeroshard.checkpoint.save_sharded"):
+            checkpoint.save({"model": state}, one)
+        assert not os.path.exists(one)
+        mine = os.path.join(tmp, f"{kind}.{rank}.pt")
+        checkpoint.save({"model": state}, mine)
+        fresh = zs.FSDP(build("mlp", seed=2))
+    with zs.FSDP.state_dict_type(fresh, sdt):
+        fresh.load_state_dict(checkpoint.load(mine, weights_only=False)["model"])
+    with zs.FSDP.state_dict_type(model, zs.StateDictType.FULL_STATE_DICT):
+        want = model.state_dict()
+    with zs.FSDP.state_dict_type(fresh, zs.StateDictType.FULL_STATE_DICT):
+        got = fresh.state_dict()
+    return all(torch.equal(want[k], got[k]) for k in want)
+
+
+@pytest.mark.parametrize("kind", ["SHARDED_STATE_DICT", "LOCAL_STATE_DICT"])
+def test_a_sharded_state_dict_saved_by_every_rank_to_one_file_is_refused(ranks, tmp_path, kind):
+    assert all(ranks.run(2, _rows_to_one_file, str(tmp_path), kind))

@@ -395,7 +395,10 @@ def test_a_failed_sharded_save_leaves_no_temporary_directory(tmp_path, monkeypat
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(fs, "_write_item", full_disk)
-    with pytest.raises(BaseException, match="No space left on device"):
+    # A RuntimeError naming the path, not DCP's CheckpointException: a BaseException, which a training
+    # loop's `except Exception` around the save would let through (and it named neither path nor call).
+    with pytest.raises(RuntimeError, match=r"save_sharded: writing the checkpoint '.*ckpt' failed \(rank 0: OSError: "
+                       r".*No space left on device\); nothing was replaced"):
         checkpoint.save_sharded({"w": torch.zeros(4)}, path)
     monkeypatch.undo()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
@@ -524,3 +527,30 @@ def test_an_unreadable_sidecar_is_no_false_alarm(tmp_path, monkeypatch):
     monkeypatch.setattr(checkpoint, "open", emfile, raising=False)
     assert checkpoint.replaced_while_read(path, before) is None
     assert checkpoint.identity(str(tmp_path / "none")) is None
+
+
+def _one_rank_cannot_write(rank, world_size, path):
+    import torch.distributed.checkpoint.filesystem as fs
+
+    checkpoint.save_sharded({"w": torch.full((4,), float(rank))}, path)
+    real = fs._write_item
+    if rank == 0:  # the one writing the plain tensor (saved once, as rank 0's)
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        fs._write_item = full_disk
+    try:
+        checkpoint.save_sharded({"w": torch.full((4,), 7.0)}, path)
+        said = None
+    except RuntimeError as e:
+        said = str(e)
+    finally:
+        fs._write_item = real
+    state = {"w": torch.empty(4)}
+    checkpoint.load_sharded(state, path)
+    return said, state["w"].tolist()
+
+
+def test_a_sharded_save_failing_on_one_rank_raises_a_runtime_error_on_every_rank(ranks, tmp_path):
+    for said, kept in ranks.run(2, _one_rank_cannot_write, str(tmp_path / "ckpt")):
+        assert said is not None and "rank 0: OSError" in said and "No space left on device" in said, said
+        assert kept == [0.0] * 4  # the previous checkpoint (rank 0's plain tensor)

@@ -117,14 +117,56 @@ def _refuse_empty_on_other_ranks(obj, path: str) -> None:
             "Fix: save on rank 0 only (`if dist.get_rank() == 0: checkpoint.save(...)`), or pass rank0_only=False.")
 
 
+def _rows_of_this_rank(obj, key: str = ""):
+    """(key, process group) of the first value in ``obj`` holding only this rank's part of a tensor
+    sharded across ranks (a SHARDED state dict's DTensor, a LOCAL one's ShardedTensor), or None."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(obj, DTensor):
+        dims = [d for d, pl in enumerate(obj.placements) if pl.is_shard() and obj.device_mesh.size(d) > 1]
+        return (key, obj.device_mesh.get_group(dims[0])) if dims else None
+    if type(obj).__name__ == "ShardedTensor":
+        group = getattr(obj, "_process_group", None)
+        return (key, group) if group is not None and dist.get_world_size(group) > 1 else None
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        found = _rows_of_this_rank(v, f"{key}.{k}" if key else str(k))
+        if found is not None:
+            return found
+    return None
+
+
+def _refuse_one_file_for_all_rows(obj, path: str) -> None:
+    """A SHARDED (or LOCAL) state dict holds this rank's rows only; written by every rank to one
+    path, each rename replaces the others' file and the checkpoint keeps one rank's rows (a reload
+    at equal row counts is silently wrong). Every rank holding such rows saves them, so the paths
+    are compared over the tensor's group (collective there): one path per rank is fine."""
+    found = _rows_of_this_rank(obj) if _distributed() else None
+    if found is None:
+        return
+    key, group = found
+    paths = comm.gather_objects(path, group, what=f"checkpoint.save (comparing the paths of '{key}', sharded across ranks)")
+    ranks = dist.get_process_group_ranks(group)
+    shared = sorted({r for r, p in zip(ranks, paths) if paths.count(p) > 1})
+    if shared:
+        raise ValueError(
+            f"zeroshard: checkpoint.save: '{key}' holds only this rank's part of a tensor sharded across ranks {ranks} "
+            f"(a SHARDED or LOCAL state dict), and ranks {shared} save to the same file '{path}': each would replace "
+            "the others' file, keeping one rank's part. Fix: zeroshard.checkpoint.save_sharded(state, directory) "
+            "(one checkpoint for all ranks, loadable at any world size), a FULL state dict, or a path per rank.")
+
+
 def save(obj, path: str | os.PathLike) -> None:
     """``torch.save(obj, path)``, atomically (on POSIX filesystems).
 
     Refused when ``obj`` holds the empty dict a rank0_only state dict is on
-    ranks other than 0: see ``_refuse_empty_on_other_ranks``.
+    ranks other than 0 (see ``_refuse_empty_on_other_ranks``), and when it
+    holds this rank's part of a sharded tensor and another rank saves to the
+    same path (collective over that tensor's ranks: see ``_refuse_one_file_for_all_rows``).
     """
     path = os.path.realpath(os.fspath(path))
     _refuse_empty_on_other_ranks(obj, path)
+    _refuse_one_file_for_all_rows(obj, path)
     write_atomic(path, lambda f: torch.save(obj, f))
 
 
@@ -281,6 +323,7 @@ def save_sharded(state: dict, path: str | os.PathLike) -> None:
     ``_plain_tensors_agreed``.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     path = os.path.abspath(os.fspath(path))
     differs = comm.first_difference(path, what="save_sharded (comparing the paths)")
@@ -299,9 +342,14 @@ def save_sharded(state: dict, path: str | os.PathLike) -> None:
             # dcp.save already ends with rank 0 writing .metadata after every
             # rank reported its files; the barrier makes "all ranks finished" explicit.
             comm.barrier(what="save_sharded (every rank's files written)")
-    except BaseException:  # DCP's CheckpointException too: every rank raises it
+    except BaseException as e:  # DCP's CheckpointException too: every rank raises it
         if not _distributed() or dist.get_rank() == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # a full disk stays full otherwise, until a save to this path
+        if isinstance(e, CheckpointException):  # a BaseException: an `except Exception` around the save would miss it
+            raise RuntimeError(
+                f"zeroshard: save_sharded: writing the checkpoint '{path}' failed ({_failures(e)}); nothing was "
+                "replaced: the previous checkpoint there, if any, is intact. Fix: free space (or fix the permissions) "
+                "where that rank writes, and save again.") from e
         raise
     world = dist.get_world_size() if _distributed() else 1
     on_rank0(lambda: _commit(tmp, path, world), "save_sharded (renaming the checkpoint into place)")
@@ -326,9 +374,8 @@ def load_sharded(state: dict, path: str | os.PathLike, strict: bool = True) -> N
         with comm.named("torch.distributed.checkpoint.load", f"load_sharded('{path}')"):
             dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
     except CheckpointException as e:  # a BaseException: an `except Exception` would let it through
-        causes = "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, (x, _) in sorted(e.failures.items()))
         raise RuntimeError(
-            f"zeroshard: load_sharded: reading the checkpoint '{path}' failed ({causes}). A data file its .metadata "
+            f"zeroshard: load_sharded: reading the checkpoint '{path}' failed ({_failures(e)}). A data file its .metadata "
             "names is missing, truncated or corrupt: the directory changed after its save completed (save_sharded "
             "only swaps in complete checkpoints). The state dict passed in may be partly overwritten; the model and "
             "optimizer are not (their state dicts hold copies). Fix: load another checkpoint.") from e
@@ -336,6 +383,11 @@ def load_sharded(state: dict, path: str | os.PathLike, strict: bool = True) -> N
     if swapped is not None:
         raise RuntimeError(f"zeroshard: load_sharded (rank {swapped[0]}): {swapped[1]} The state dict passed in "
                            "holds a mix of the two. Fix: load again (after that save).")
+
+
+def _failures(e) -> str:
+    """What each rank's failure in a DCP CheckpointException was, in one line."""
+    return "; ".join(f"rank {r}: {type(x).__name__}: {x}" for r, (x, _) in sorted(e.failures.items()))
 
 
 def identity(path: str):
