@@ -310,3 +310,62 @@ def test_clip_grad_norm_inside_summon_is_refused_as_in_torch(ranks, with_grads, 
     were the full copies, so the norm counted each once per rank (sqrt(2) too large on 2
     ranks: 1.03 for 0.73) and clipped by it. Now refused, naming the fix, grads untouched."""
     assert len(set(ranks.run(2, _clip_inside_summon, with_grads, strategy))) == 1
+
+
+def _rebind_inside_summon(rank, world_size, strategy, use_orig_params):
+    """Replacing a parameter inside summon_full_params(writeback=True), by `.data =` or by a new
+    nn.Parameter, was dropped at exit, silently (as in torch FSDP1): it no longer viewed the gathered
+    buffer the write-back copies from. Now it is written back, exactly as the same edit made in
+    place; the module holds the unit's own parameter again (the optimizer's, with use_orig_params);
+    with writeback=False it is discarded; one of another shape raises after every unit resharded."""
+    from zeroshard.wrap import ModuleWrapPolicy
+    from models import Block
+
+    def make():
+        model = zs.FSDP(build("mlp", seed=3), auto_wrap_policy=ModuleWrapPolicy({Block}),
+                        sharding_strategy=getattr(zs.ShardingStrategy, strategy), use_orig_params=use_orig_params)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    new_w, new_b = torch.full((13, 7), 0.25), torch.linspace(-1, 1, 7)
+    results = {}
+    for how in ("in place", ".data =", "Parameter", "no writeback"):
+        model, opt = make()
+        held = list(model.parameters())
+        with zs.FSDP.summon_full_params(model, writeback=how != "no writeback"):
+            b = model.module.blocks[1]
+            if how == "in place":
+                with torch.no_grad():
+                    b.l1.weight.copy_(new_w)
+                    b.l2.bias.copy_(new_b)
+            elif how == "Parameter":
+                b.l1.weight = nn.Parameter(new_w.clone())
+                b.l2.bias = nn.Parameter(new_b.clone())
+            else:
+                b.l1.weight.data = new_w.clone()
+                b.l2.bias.data = new_b.clone()
+        assert all(p is q for p, q in zip(model.parameters(), held))  # the optimizer's parameters, still the model's
+        for step in range(2):
+            model(batch("mlp", rank, step)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        with zs.FSDP.summon_full_params(model):
+            results[how] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    want, dropped = results["in place"], results["no writeback"]
+    for how in (".data =", "Parameter"):
+        assert all(torch.equal(want[n], results[how][n]) for n in want), how
+    assert not torch.equal(want["blocks.1.l1.weight"], dropped["blocks.1.l1.weight"])
+    model, _ = make()
+    with zs.FSDP.summon_full_params(model):
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"'l1.weight' of unit .* was replaced inside summon_full_params by \(3, 3\)"):
+        with zs.FSDP.summon_full_params(model, writeback=True):
+            model.module.blocks[0].l1.weight.data = torch.zeros(3, 3)
+    model(batch("mlp", rank, 0)).sum().backward()  # every unit resharded: it trains on
+    with zs.FSDP.summon_full_params(model):
+        return all(torch.equal(before[n], p) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("strategy,use_orig_params", [("FULL_SHARD", False), ("FULL_SHARD", True),
+                                                      ("SHARD_GRAD_OP", True), ("NO_SHARD", False)])
+def test_a_parameter_replaced_inside_summon_is_written_back(ranks, strategy, use_orig_params):
+    assert all(ranks.run(2, _rebind_inside_summon, strategy, use_orig_params))

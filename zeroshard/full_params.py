@@ -35,7 +35,7 @@ class FullParams:
             self.reshard(free=True)
         # NO_SHARD in place (always_full): the views are the parameters themselves, so changes
         # persist whatever ``writeback`` says, as torch FSDP1 documents for NO_SHARD.
-        undo = {"was_unsharded": self.unsharded, "grads": None}
+        undo = {"was_unsharded": self.unsharded, "grads": None, "params": None}
         if not self.always_full:
             self.wait_unshard(full_precision=True)
         flat = self.flat_param.detach()
@@ -53,6 +53,7 @@ class FullParams:
             _register(info.module, info.name, params[info.prim_index])
         if with_grads and any_grad:
             undo["grads"] = self._gather_full_grads(params)
+        undo["params"] = (params, views)
         self.summoned_writeback = writeback  # (forward_pass.pre_forward: a forward inside the block)
         return undo
 
@@ -87,8 +88,11 @@ class FullParams:
             self._point_grad(p, view)
         return g
 
-    def exit_full_params(self, writeback: bool, undo: dict):
+    def exit_full_params(self, writeback: bool, undo: dict) -> list[str]:
+        """Write back (``writeback``) and reshard; returns the parameters replaced inside the
+        block by a value that could not be written back (see :meth:`_take_rebinds`)."""
         self.summoned_writeback = None
+        problems = self._take_rebinds(writeback, *undo["params"])
         if self.sharded and writeback:
             start = self.rank * self.layout.shard_numel
             # Through .data: the write does not bump the version counter the forward's saved views share (a
@@ -110,6 +114,31 @@ class FullParams:
         self.reshard(free=not undo["was_unsharded"])
         if self.use_orig_params:
             self.use_grad_views()  # a no_sync gradient still unreduced keeps its unsharded views
+        return problems
+
+    def _take_rebinds(self, writeback: bool, params: list, views: list) -> list[str]:
+        """A parameter replaced inside the block (``w.data = new``, ``module.w = nn.Parameter(new)``)
+        no longer views the gathered buffer, so the write-back would drop it silently (torch FSDP1
+        does). With ``writeback`` a replacement of the parameter's shape is copied into the buffer
+        first; the module gets the unit's own parameter back either way. Returns, for the caller
+        to raise once every unit is resharded, those of another shape (or deleted)."""
+        problems = []
+        named = [*enumerate(self.layout.params), *((info.prim_index, info) for info in self.layout.shared)]
+        for i, info in named:
+            now, ours, view = info.module._parameters.get(info.name), params[i], views[i]
+            if now is ours and now.data_ptr() == view.data_ptr() and now.shape == view.shape:
+                continue
+            where = f"'{info.fqn}' of unit '{self.unit_name}'"
+            if not torch.is_tensor(now) or tuple(now.shape) != tuple(view.shape):
+                got = "deleted" if now is None else f"{tuple(now.shape)}" if torch.is_tensor(now) else type(now).__name__
+                problems.append(f"{where} was replaced inside summon_full_params by {got}, not a tensor of its shape "
+                                f"{tuple(view.shape)}")
+            elif writeback:
+                view.copy_(now.detach())
+            if ours.data_ptr() != view.data_ptr() or ours.shape != view.shape:
+                ours.data = view
+            _register(info.module, info.name, ours)
+        return problems
 
 
 def _register(module: nn.Module, name: str, param: nn.Parameter):

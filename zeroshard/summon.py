@@ -55,7 +55,7 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
         # it, so drop it now or the next backward accumulates onto stale
         # gradients (torch's state_dict / optim_state_dict reset it too).
         h.reset_grad_if_orig_grads_none()
-    undo = []
+    undo, body_ok = [], False
     for u in units:  # named_parameters() / named_buffers() drop the wrapper prefix meanwhile
         u._summoning += 1
         if plain_dicts:
@@ -72,6 +72,7 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
             for h in handles:  # on every rank: a forward inside is refused alike (forward_pass.pre_forward)
                 h.summoned_rank0_only = rank0_only
             yield
+            body_ok = True
         finally:
             for h in handles:
                 h.summoned_rank0_only = False
@@ -79,6 +80,12 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
                 u._summoning -= 1
                 if plain_dicts:
                     u._plain_dicts = False
+            problems = []
             while undo:
                 h, u = undo.pop()
-                h.exit_full_params(writeback, u)
+                problems += h.exit_full_params(writeback, u)
+            if problems and body_ok:  # (not over an exception from the block)
+                raise ValueError(f"zeroshard: {problems[0]}; it was discarded"
+                                 f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}. Fix: change "
+                                 "parameters in place inside the block (`p.copy_(new)` under torch.no_grad()), or "
+                                 "replace one by a tensor of its own shape.")
