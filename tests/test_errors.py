@@ -424,3 +424,39 @@ def test_a_forward_inside_summon_full_params(ranks, use_orig_params, writeback):
         else:
             assert error and "inside its summon_full_params" in error and "Fix" in error, error
             assert kept == (300 if writeback else 0), kept  # the edit (3 outputs) kept exactly when written back
+
+
+def _added_after_wrapping(rank, world_size, where):
+    """A module or parameter added after wrapping belongs to no unit: never sharded nor reduced, so
+    each rank trained its own copy (after one step 0.876 on rank 0, 0.952 on rank 1), and one set on
+    the wrapper was never even called; silently, as under torch FSDP1. Refused at the first forward,
+    naming it. A module wrapped as a unit of its own before it is assigned trains as any unit."""
+    torch.manual_seed(0)
+    m = zs.FSDP(MLP(), auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}))
+    if where == "wrapper":
+        m.head = nn.Linear(3, 4)
+    elif where == "inside":
+        m.module.blocks[0].l1.register_parameter("gain", nn.Parameter(torch.ones(13)))
+    elif where == "a unit of its own":
+        m.module.extra = zs.FSDP(nn.Linear(3, 3))
+    else:  # an ignored parameter replaced where it was (a meta one filled in): still ignored
+        model = MLP()
+        m = zs.FSDP(model, auto_wrap_policy=zs.wrap.ModuleWrapPolicy({Block}), ignored_states=[model.out.weight])
+        model.out.weight = nn.Parameter(torch.ones(3, 7))
+    try:
+        with zs.FSDP.summon_full_params(m):  # a state dict or summon before the first forward: its stand-ins are fine
+            m.state_dict()
+        m(torch.randn(2, 5)).sum().backward()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("where", ["wrapper", "inside", "a unit of its own", "ignored, replaced"])
+def test_a_parameter_added_after_wrapping_is_refused(ranks, where):
+    for said in ranks.run(2, _added_after_wrapping, where):
+        if where in ("a unit of its own", "ignored, replaced"):
+            assert said is None, said
+            continue
+        name = "head.weight" if where == "wrapper" else "blocks.0.l1.gain"
+        assert said and f"parameter '{name}' belongs to no FullyShardedDataParallel unit" in said and "Fix" in said, said

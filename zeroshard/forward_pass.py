@@ -45,6 +45,9 @@ def root_pre_forward(state):
         kept.drop_nested_backward_leftovers(rt)
     kept.drop_unused_prefetches(rt)
     kept.drop_stale_kept(rt)
+    if not rt.parameters_checked and not any(s._summoning for s in rt.states):
+        validation.refuse_unmanaged_parameters(rt.states)
+        rt.parameters_checked = True
     rt.post_forward_order.clear()
     if any(h.param_dtype_now() != h.dtype for h in rt.handles):  # module.to(dtype) cast the buffers too:
         if state.__dict__.get("_buffers_in_full_precision"):  # in their own dtype now (eval): it is the new one

@@ -155,6 +155,8 @@ class FullyShardedDataParallel(StateDictMethods, nn.Module):
         ignored |= {m for u in nested for m in u._ignored_modules}
         ignored_params = frozenset(ignored_params).union(*(u._ignored_params for u in nested))
         self._ignored_params = ignored_params
+        ids = {id(p) for p in ignored_params}  # where they live: one the user replaces there stays ignored
+        self._ignored_slots = frozenset((id(m), n) for m in module.modules() for n, p in m._parameters.items() if id(p) in ids)
         # FSDP(FSDP(m)), as torch allows: the outer unit owns nothing.
         entries, aliases = ([], []) if _is_unit(module) else collect_params(
             module, skip=nested | ignored, ignored_params=kept_out(ignored, ignored_params))

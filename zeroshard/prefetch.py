@@ -29,6 +29,7 @@ class RootRuntime:
         self.pre_forward_order: list = []  # from the first iteration
         self.post_forward_order: list = []  # this iteration
         self.first_iter = True
+        self.parameters_checked = False  # validation.refuse_unmanaged_parameters, at the first forward outside summon
         self.pending: list[reduce.PendingReduction] = []
         self.callback_queued = False
         self.backward_task = -1  # autograd's id of the backward that queued the callback

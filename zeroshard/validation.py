@@ -233,6 +233,34 @@ def check_new_root(states) -> None:
             groups.check_grid(shard, replicate)
 
 
+def refuse_unmanaged_parameters(states) -> None:
+    """A parameter registered in the model after wrapping (``model.head = nn.Linear(...)``, on the
+    wrapper or inside it) belongs to no unit: never sharded nor reduced, each rank trains its own copy
+    and the replicas drift apart, silently (as under torch FSDP1); one on the wrapper is not even
+    called. Refused at the root's first forward outside summon_full_params (whose stand-in
+    parameters are the units' own), naming it. An ignored parameter replaced where it was (a meta
+    one filled in after wrapping) stays ignored."""
+    managed, slots = set(), set()
+    for s in states:
+        h = s._handle
+        slots |= s._ignored_slots
+        managed.update(id(p) for p in s._ignored_params)
+        managed.update(id(p) for m in s._ignored_modules for p in m.parameters(recurse=False))
+        if h is not None:
+            managed.add(id(h.flat_param))
+            managed.update(id(p) for p in (h.orig_params if h.use_orig_params else ()))
+    name = next((n for m_name, m in states[0].named_modules() for pn, p in m._parameters.items()
+                 if p is not None and id(p) not in managed and (id(m), pn) not in slots
+                 for n in [f"{m_name}.{pn}" if m_name else pn]), None)
+    if name is not None:
+        raise ValueError(
+            f"zeroshard: parameter '{name.replace('_fsdp_wrapped_module.', '')}' belongs to no FullyShardedDataParallel "
+            "unit: it was added to the model after wrapping, so it would be neither sharded nor reduced (each rank "
+            "would train its own copy; one set on the wrapper is not even called). "
+            "Fix: add it to the module before wrapping, wrap the new module in a FullyShardedDataParallel of its own "
+            "before assigning it, or pass it in ignored_states at construction.")
+
+
 def refuse_torch_fsdp_inside(module: nn.Module) -> None:
     """A torch FSDP1 (or FSDP2) module inside: its FlatParameter (or DTensor
     shards) would be sharded again as if they were plain parameters, and the
