@@ -328,12 +328,22 @@ def _rebind_inside_summon(rank, world_size, strategy, use_orig_params):
 
     new_w, new_b = torch.full((13, 7), 0.25), torch.linspace(-1, 1, 7)
     results = {}
-    for how in ("in place", ".data =", "Parameter", "no writeback"):
+
+    def rebind_in_apply(mod):  # FSDP.apply runs fn inside summon_full_params(writeback=True)
+        if mod is model.module.blocks[1]:
+            mod.l1.weight.data = new_w.clone()
+            mod.l2.bias = nn.Parameter(new_b.clone())
+
+    for how in ("in place", ".data =", "Parameter", "apply", "no writeback"):
         model, opt = make()
         held = list(model.parameters())
+        if how == "apply":
+            model.apply(rebind_in_apply)
         with zs.FSDP.summon_full_params(model, writeback=how != "no writeback"):
             b = model.module.blocks[1]
-            if how == "in place":
+            if how == "apply":
+                pass
+            elif how == "in place":
                 with torch.no_grad():
                     b.l1.weight.copy_(new_w)
                     b.l2.bias.copy_(new_b)
@@ -351,11 +361,15 @@ def _rebind_inside_summon(rank, world_size, strategy, use_orig_params):
         with zs.FSDP.summon_full_params(model):
             results[how] = {n: p.detach().clone() for n, p in model.named_parameters()}
     want, dropped = results["in place"], results["no writeback"]
-    for how in (".data =", "Parameter"):
+    for how in (".data =", "Parameter", "apply"):
         assert all(torch.equal(want[n], results[how][n]) for n in want), how
     assert not torch.equal(want["blocks.1.l1.weight"], dropped["blocks.1.l1.weight"])
     model, _ = make()
+    with zs.FSDP.summon_full_params(model, writeback=True):  # another unit's gathered parameter: read before any frees
+        model.module.blocks[0].l1.weight = model.module.blocks[1].l1.weight  # (it segfaulted, use_orig_params=False)
     with zs.FSDP.summon_full_params(model):
+        tied = torch.equal(model.module.blocks[0].l1.weight, model.module.blocks[1].l1.weight)
+        assert tied and model.module.blocks[0].l1.weight is not model.module.blocks[1].l1.weight
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
     with pytest.raises(ValueError, match=r"'l1.weight' of unit .* was replaced inside summon_full_params by \(3, 3\)"):
         with zs.FSDP.summon_full_params(model, writeback=True):

@@ -88,11 +88,9 @@ class FullParams:
             self._point_grad(p, view)
         return g
 
-    def exit_full_params(self, writeback: bool, undo: dict) -> list[str]:
-        """Write back (``writeback``) and reshard; returns the parameters replaced inside the
-        block by a value that could not be written back (see :meth:`_take_rebinds`)."""
+    def exit_full_params(self, writeback: bool, undo: dict):
+        """Write back (``writeback``) and reshard; :meth:`take_rebinds` first."""
         self.summoned_writeback = None
-        problems = self._take_rebinds(writeback, *undo["params"])
         if self.sharded and writeback:
             start = self.rank * self.layout.shard_numel
             # Through .data: the write does not bump the version counter the forward's saved views share (a
@@ -114,18 +112,23 @@ class FullParams:
         self.reshard(free=not undo["was_unsharded"])
         if self.use_orig_params:
             self.use_grad_views()  # a no_sync gradient still unreduced keeps its unsharded views
-        return problems
 
-    def _take_rebinds(self, writeback: bool, params: list, views: list) -> list[str]:
+    def take_rebinds(self, writeback: bool, undo: dict) -> list[str]:
         """A parameter replaced inside the block (``w.data = new``, ``module.w = nn.Parameter(new)``)
         no longer views the gathered buffer, so the write-back would drop it silently (torch FSDP1
         does). With ``writeback`` a replacement of the parameter's shape is copied into the buffer
-        first; the module gets the unit's own parameter back either way. Returns, for the caller
-        to raise once every unit is resharded, those of another shape (or deleted)."""
+        first; the module gets the unit's own parameter back either way. Called for every unit of
+        the block before any is resharded (a replacement may be another unit's gathered parameter).
+        Returns, for the caller to raise once every unit is resharded, those of another shape."""
+        params, views = undo["params"]
         problems = []
         named = [*enumerate(self.layout.params), *((info.prim_index, info) for info in self.layout.shared)]
         for i, info in named:
             now, ours, view = info.module._parameters.get(info.name), params[i], views[i]
+            if not writeback:  # discarded, whatever it was (a forward inside re-points use_orig_params' .data itself)
+                if now is not ours:
+                    _register(info.module, info.name, ours)
+                continue
             if now is ours and now.data_ptr() == view.data_ptr() and now.shape == view.shape:
                 continue
             where = f"'{info.fqn}' of unit '{self.unit_name}'"
@@ -133,7 +136,7 @@ class FullParams:
                 got = "deleted" if now is None else f"{tuple(now.shape)}" if torch.is_tensor(now) else type(now).__name__
                 problems.append(f"{where} was replaced inside summon_full_params by {got}, not a tensor of its shape "
                                 f"{tuple(view.shape)}")
-            elif writeback:
+            else:
                 view.copy_(now.detach())
             if ours.data_ptr() != view.data_ptr() or ours.shape != view.shape:
                 ours.data = view
