@@ -611,15 +611,22 @@ def _rows_to_one_file(rank, world_size, tmp, kind):
     """A SHARDED (DTensor rows) or LOCAL (ShardedTensor flat shards) state dict saved by every rank
     with checkpoint.save to one path: each rename replaced the others' file, and the checkpoint kept
     one rank's rows; at equal row counts its reload was silently wrong. Refused on every rank before
-    anything is written; a path per rank saves and reloads exactly."""
+    anything is written: SHARDED always (its checkpoint is save_sharded's directory), LOCAL where
+    ranks share a path (a path per rank saves and reloads exactly, as torch FSDP1 saves LOCAL)."""
     model = zs.FSDP(build("mlp", seed=1))
     sdt = getattr(zs.StateDictType, kind)
     with zs.FSDP.state_dict_type(model, sdt):
         state = model.state_dict()
         one = os.path.join(tmp, f"{kind}.pt")
-        with pytest.raises(ValueError, match="save to the same file .* Fix: zeroshard.checkpoint.save_sharded"):
+        said = "would keep one rank's rows" if kind == "SHARDED_STATE_DICT" else "save to the same file"
+        with pytest.raises(ValueError, match=f"{said}.* Fix: zeroshard.checkpoint.save_sharded"):
             checkpoint.save({"model": state}, one)
         assert not os.path.exists(one)
+        if kind == "SHARDED_STATE_DICT":  # refused on the ranks calling: rank 0 alone too, no collective to wait in
+            if rank == 0:
+                with pytest.raises(ValueError, match="would keep one rank's rows"):
+                    checkpoint.save({"model": state}, one)
+            return True
         mine = os.path.join(tmp, f"{kind}.{rank}.pt")
         checkpoint.save({"model": state}, mine)
         fresh = zs.FSDP(build("mlp", seed=2))

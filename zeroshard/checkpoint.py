@@ -118,16 +118,16 @@ def _refuse_empty_on_other_ranks(obj, path: str) -> None:
 
 
 def _rows_of_this_rank(obj, key: str = ""):
-    """(key, process group) of the first value in ``obj`` holding only this rank's part of a tensor
+    """(key, the value) of the first value in ``obj`` holding only this rank's part of a tensor
     sharded across ranks (a SHARDED state dict's DTensor, a LOCAL one's ShardedTensor), or None."""
     from torch.distributed.tensor import DTensor
 
     if isinstance(obj, DTensor):
-        dims = [d for d, pl in enumerate(obj.placements) if pl.is_shard() and obj.device_mesh.size(d) > 1]
-        return (key, obj.device_mesh.get_group(dims[0])) if dims else None
+        sharded = any(pl.is_shard() and obj.device_mesh.size(d) > 1 for d, pl in enumerate(obj.placements))
+        return (key, obj) if sharded else None
     if type(obj).__name__ == "ShardedTensor":
         group = getattr(obj, "_process_group", None)
-        return (key, group) if group is not None and dist.get_world_size(group) > 1 else None
+        return (key, obj) if group is not None and dist.get_world_size(group) > 1 else None
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
     for k, v in items:
         found = _rows_of_this_rank(v, f"{key}.{k}" if key else str(k))
@@ -139,21 +139,29 @@ def _rows_of_this_rank(obj, key: str = ""):
 def _refuse_one_file_for_all_rows(obj, path: str) -> None:
     """A SHARDED (or LOCAL) state dict holds this rank's rows only; written by every rank to one
     path, each rename replaces the others' file and the checkpoint keeps one rank's rows (a reload
-    at equal row counts is silently wrong). Every rank holding such rows saves them, so the paths
-    are compared over the tensor's group (collective there): one path per rank is fine."""
+    at equal row counts is silently wrong); written by rank 0 alone, it holds rank 0's rows.
+    A SHARDED one (DTensors) is refused outright, on the ranks calling (no collective, so a
+    rank-0-only save raises instead of waiting): its file is DCP's directory. A LOCAL one
+    (ShardedTensors) is per-rank by design, as torch FSDP1 saves it: the paths are compared over
+    its group (collective there), and one path per rank saves."""
     found = _rows_of_this_rank(obj) if _distributed() else None
     if found is None:
         return
-    key, group = found
+    key, value = found
+    fix = ("Fix: zeroshard.checkpoint.save_sharded(state, directory) (one checkpoint for all ranks, loadable at any "
+           "world size), or a FULL state dict")
+    if type(value).__name__ != "ShardedTensor":
+        raise ValueError(f"zeroshard: checkpoint.save: '{key}' is a DTensor holding only this rank's rows (a SHARDED "
+                         f"state dict): a single file '{path}' would keep one rank's rows. {fix}.")
+    group = value._process_group
     paths = comm.gather_objects(path, group, what=f"checkpoint.save (comparing the paths of '{key}', sharded across ranks)")
     ranks = dist.get_process_group_ranks(group)
     shared = sorted({r for r, p in zip(ranks, paths) if paths.count(p) > 1})
     if shared:
         raise ValueError(
             f"zeroshard: checkpoint.save: '{key}' holds only this rank's part of a tensor sharded across ranks {ranks} "
-            f"(a SHARDED or LOCAL state dict), and ranks {shared} save to the same file '{path}': each would replace "
-            "the others' file, keeping one rank's part. Fix: zeroshard.checkpoint.save_sharded(state, directory) "
-            "(one checkpoint for all ranks, loadable at any world size), a FULL state dict, or a path per rank.")
+            f"(a LOCAL state dict), and ranks {shared} save to the same file '{path}': each would replace the others' "
+            f"file, keeping one rank's part. {fix}, or a path per rank.")
 
 
 def save(obj, path: str | os.PathLike) -> None:
@@ -161,8 +169,9 @@ def save(obj, path: str | os.PathLike) -> None:
 
     Refused when ``obj`` holds the empty dict a rank0_only state dict is on
     ranks other than 0 (see ``_refuse_empty_on_other_ranks``), and when it
-    holds this rank's part of a sharded tensor and another rank saves to the
-    same path (collective over that tensor's ranks: see ``_refuse_one_file_for_all_rows``).
+    holds this rank's rows of a SHARDED state dict, or its part of a LOCAL one
+    that another rank saves to the same path (collective over that tensor's
+    ranks): see ``_refuse_one_file_for_all_rows``.
     """
     path = os.path.realpath(os.fspath(path))
     _refuse_empty_on_other_ranks(obj, path)
