@@ -148,7 +148,7 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
         # one rank raises on every rank instead of loading on the others.
         try:
             state, empty_shard = _convert(index, params, source)
-        except ValueError as e:
+        except Exception as e:  # noqa: BLE001 - a malformed entry (TypeError, KeyError) too: raised below, on every rank
             problem = e
     if agree:  # over the model's groups unless told (a model on some ranks only: the others are not in the call)
         root = units_of(model)[0]
