@@ -370,7 +370,23 @@ def _rebind_inside_summon(rank, world_size, strategy, use_orig_params):
     with zs.FSDP.summon_full_params(model):
         tied = torch.equal(model.module.blocks[0].l1.weight, model.module.blocks[1].l1.weight)
         assert tied and model.module.blocks[0].l1.weight is not model.module.blocks[1].l1.weight
+        old = {i: model.module.blocks[i].l2.weight.detach().clone() for i in (0, 2)}
+    with zs.FSDP.summon_full_params(model, writeback=True):  # a swap: both read before either is written (review)
+        b0, b2 = model.module.blocks[0], model.module.blocks[2]
+        b0.l2.weight, b2.l2.weight = b2.l2.weight, b0.l2.weight
+    with zs.FSDP.summon_full_params(model):
+        assert torch.equal(model.module.blocks[0].l2.weight, old[2]) and torch.equal(model.module.blocks[2].l2.weight, old[0])
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # Another unit's parameter whose own (inner) block has ended: refused by whose it is, alike on every rank
+    # (its values were freed, or back to shard views that hold it whole on some ranks only; it segfaulted).
+    with pytest.raises(ValueError, match="by a parameter of unit .* whose own block has ended"):
+        with zs.FSDP.summon_full_params(model, recurse=False, writeback=True):
+            with zs.FSDP.summon_full_params(model.module.blocks[1]):
+                stale = model.module.blocks[1].l2.bias
+            model.module.inp.bias = stale
+    with pytest.raises(ValueError, match=r"replaced inside summon_full_params by \(13, 7\), .* \(meta\)"):
+        with zs.FSDP.summon_full_params(model, writeback=True):  # every unit still resharded after
+            model.module.blocks[2].l1.weight = nn.Parameter(torch.empty(13, 7, device="meta"))
     with pytest.raises(ValueError, match=r"'l1.weight' of unit .* was replaced inside summon_full_params by \(3, 3\)"):
         with zs.FSDP.summon_full_params(model, writeback=True):
             model.module.blocks[0].l1.weight.data = torch.zeros(3, 3)

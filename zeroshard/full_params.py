@@ -12,11 +12,16 @@ A mixin of :class:`~zeroshard.handle.FlatParamHandle` (its ``layout``,
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from . import comm
+
+_OWNER = WeakIdKeyDictionary()  # each parameter a summon registered -> its unit (weakly both)
 
 
 class FullParams:
@@ -54,6 +59,8 @@ class FullParams:
         if with_grads and any_grad:
             undo["grads"] = self._gather_full_grads(params)
         undo["params"] = (params, views)
+        for p in params:  # whose they are, for another unit's take_rebinds
+            _OWNER[p] = weakref.ref(self)
         self.summoned_writeback = writeback  # (forward_pass.pre_forward: a forward inside the block)
         return undo
 
@@ -113,15 +120,18 @@ class FullParams:
         if self.use_orig_params:
             self.use_grad_views()  # a no_sync gradient still unreduced keeps its unsharded views
 
-    def take_rebinds(self, writeback: bool, undo: dict) -> list[str]:
+    def take_rebinds(self, writeback: bool, undo: dict) -> tuple[list[str], list]:
         """A parameter replaced inside the block (``w.data = new``, ``module.w = nn.Parameter(new)``)
         no longer views the gathered buffer, so the write-back would drop it silently (torch FSDP1
-        does). With ``writeback`` a replacement of the parameter's shape is copied into the buffer
-        first; the module gets the unit's own parameter back either way. Called for every unit of
-        the block before any is resharded (a replacement may be another unit's gathered parameter).
-        Returns, for the caller to raise once every unit is resharded, those of another shape."""
+        does). With ``writeback`` a replacement of the parameter's shape is to be copied into the
+        buffer; the module gets the unit's own parameter back either way. Called for every unit of
+        the block before any is resharded or written to (a replacement may be another unit's
+        gathered parameter, or two swapped): returns (the replacements that cannot be written back,
+        for the caller to raise once every unit is resharded; the (buffer view, copy of the value)
+        pairs to write). Decided alike on every rank: a parameter of a unit no longer summoned (an
+        inner block's, freed or back to shard views) is refused by whose it is, not by its values."""
         params, views = undo["params"]
-        problems = []
+        problems, copies = [], []
         named = [*enumerate(self.layout.params), *((info.prim_index, info) for info in self.layout.shared)]
         for i, info in named:
             now, ours, view = info.module._parameters.get(info.name), params[i], views[i]
@@ -132,16 +142,21 @@ class FullParams:
             if now is ours and now.data_ptr() == view.data_ptr() and now.shape == view.shape:
                 continue
             where = f"'{info.fqn}' of unit '{self.unit_name}'"
-            if not torch.is_tensor(now) or tuple(now.shape) != tuple(view.shape):
+            owner = _OWNER.get(now) if torch.is_tensor(now) else None
+            owner = owner() if owner is not None else None
+            if owner is not None and owner.summoned_writeback is None:
+                problems.append(f"{where} was replaced inside summon_full_params by a parameter of unit "
+                                f"'{owner.unit_name}', whose own block has ended (its full values are gone)")
+            elif not torch.is_tensor(now) or now.is_meta or tuple(now.shape) != tuple(view.shape):
                 got = "deleted" if now is None else f"{tuple(now.shape)}" if torch.is_tensor(now) else type(now).__name__
                 problems.append(f"{where} was replaced inside summon_full_params by {got}, not a tensor of its shape "
-                                f"{tuple(view.shape)}")
+                                f"{tuple(view.shape)}{' (meta)' if torch.is_tensor(now) and now.is_meta else ''}")
             else:
-                view.copy_(now.detach())
+                copies.append((view, now.detach().clone()))
             if ours.data_ptr() != view.data_ptr() or ours.shape != view.shape:
                 ours.data = view
             _register(info.module, info.name, ours)
-        return problems
+        return problems, copies
 
 
 def _register(module: nn.Module, name: str, param: nn.Parameter):

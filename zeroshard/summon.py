@@ -80,10 +80,18 @@ def summon_full_params(module, recurse=True, writeback=True, rank0_only=False, o
                 u._summoning -= 1
                 if plain_dicts:
                     u._plain_dicts = False
-            problems = [p for h, u in undo for p in h.take_rebinds(writeback, u)]
-            while undo:
-                h, u = undo.pop()
-                h.exit_full_params(writeback, u)
+            problems, copies = [], []
+            try:  # every replacement read (copied) before any is written or any unit resharded: see take_rebinds
+                for h, u in undo:
+                    found, pairs = h.take_rebinds(writeback, u)
+                    problems += found
+                    copies += pairs
+                for view, value in copies:
+                    view.copy_(value)
+            finally:
+                while undo:
+                    h, u = undo.pop()
+                    h.exit_full_params(writeback, u)
             if problems and body_ok:  # (not over an exception from the block)
                 raise ValueError(f"zeroshard: {problems[0]}; it was discarded"
                                  f"{f' (and {len(problems) - 1} more)' if len(problems) > 1 else ''}. Fix: change "
