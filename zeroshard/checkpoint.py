@@ -97,18 +97,19 @@ def remove_stale(directory: str, pattern: str, prefix_of) -> None:
                 pass
 
 
+def _nested(obj, key: str = ""):
+    """(key path, value) for ``obj`` and every value inside its dicts, lists and tuples."""
+    yield key, obj
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    for k, v in items:
+        yield from _nested(v, f"{key}.{k}" if key else str(k))
+
+
 def _refuse_empty_on_other_ranks(obj, path: str) -> None:
     """FULL state dicts and optimizer state dicts with ``rank0_only=True`` are
     empty on ranks other than 0 (``state_dict.OffRank0``); saved there to rank
     0's path, they would replace its checkpoint (whichever rename lands last)."""
-
-    def holds_one(x) -> bool:
-        if isinstance(x, OffRank0):
-            return True
-        values = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ()
-        return any(holds_one(v) for v in values)
-
-    if holds_one(obj):
+    if any(isinstance(v, OffRank0) for _, v in _nested(obj)):
         rank = dist.get_rank() if _distributed() else 0
         raise ValueError(
             f"zeroshard: checkpoint.save: rank {rank} is saving the empty state a rank0_only state dict gives ranks "
@@ -117,23 +118,17 @@ def _refuse_empty_on_other_ranks(obj, path: str) -> None:
             "Fix: save on rank 0 only (`if dist.get_rank() == 0: checkpoint.save(...)`), or pass rank0_only=False.")
 
 
-def _rows_of_this_rank(obj, key: str = ""):
-    """(key, the value) of the first value in ``obj`` holding only this rank's part of a tensor
-    sharded across ranks (a SHARDED state dict's DTensor, a LOCAL one's ShardedTensor), or None."""
+def _holds_rows(value) -> bool:
+    """Only this rank's part of a tensor sharded across ranks: a SHARDED state dict's DTensor, a
+    LOCAL one's ShardedTensor."""
     from torch.distributed.tensor import DTensor
 
-    if isinstance(obj, DTensor):
-        sharded = any(pl.is_shard() and obj.device_mesh.size(d) > 1 for d, pl in enumerate(obj.placements))
-        return (key, obj) if sharded else None
-    if type(obj).__name__ == "ShardedTensor":
-        group = getattr(obj, "_process_group", None)
-        return (key, obj) if group is not None and dist.get_world_size(group) > 1 else None
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
-    for k, v in items:
-        found = _rows_of_this_rank(v, f"{key}.{k}" if key else str(k))
-        if found is not None:
-            return found
-    return None
+    if isinstance(value, DTensor):
+        return any(pl.is_shard() and value.device_mesh.size(d) > 1 for d, pl in enumerate(value.placements))
+    if type(value).__name__ == "ShardedTensor":
+        group = getattr(value, "_process_group", None)
+        return group is not None and dist.get_world_size(group) > 1
+    return False
 
 
 def _refuse_one_file_for_all_rows(obj, path: str) -> None:
@@ -144,7 +139,7 @@ def _refuse_one_file_for_all_rows(obj, path: str) -> None:
     rank-0-only save raises instead of waiting): its file is DCP's directory. A LOCAL one
     (ShardedTensors) is per-rank by design, as torch FSDP1 saves it: the paths are compared over
     its group (collective there), and one path per rank saves."""
-    found = _rows_of_this_rank(obj) if _distributed() else None
+    found = next(((k, v) for k, v in _nested(obj) if _holds_rows(v)), None) if _distributed() else None
     if found is None:
         return
     key, value = found

@@ -40,7 +40,7 @@ class FullParams:
             self.reshard(free=True)
         # NO_SHARD in place (always_full): the views are the parameters themselves, so changes
         # persist whatever ``writeback`` says, as torch FSDP1 documents for NO_SHARD.
-        undo = {"was_unsharded": self.unsharded, "grads": None, "params": None}
+        undo = {"was_unsharded": self.unsharded, "grads": None}
         if not self.always_full:
             self.wait_unshard(full_precision=True)
         flat = self.flat_param.detach()

@@ -249,16 +249,17 @@ def refuse_unmanaged_parameters(states) -> None:
         if h is not None:
             managed.add(id(h.flat_param))
             managed.update(id(p) for p in (h.orig_params if h.use_orig_params else ()))
-    name = next((n for m_name, m in states[0].named_modules() for pn, p in m._parameters.items()
-                 if p is not None and id(p) not in managed and (id(m), pn) not in slots
-                 for n in [f"{m_name}.{pn}" if m_name else pn]), None)
-    if name is not None:
-        raise ValueError(
-            f"zeroshard: parameter '{name.replace('_fsdp_wrapped_module.', '')}' belongs to no FullyShardedDataParallel "
-            "unit: it was added to the model after wrapping, so it would be neither sharded nor reduced (each rank "
-            "would train its own copy; one set on the wrapper is not even called). "
-            "Fix: add it to the module before wrapping, wrap the new module in a FullyShardedDataParallel of its own "
-            "before assigning it, or pass it in ignored_states at construction.")
+    for prefix, m in states[0].named_modules():
+        for name, p in m._parameters.items():
+            if p is None or id(p) in managed or (id(m), name) in slots:
+                continue
+            where = f"{prefix}.{name}" if prefix else name
+            raise ValueError(
+                f"zeroshard: parameter '{where.replace('_fsdp_wrapped_module.', '')}' belongs to no "
+                "FullyShardedDataParallel unit: it was added to the model after wrapping, so it would be neither "
+                "sharded nor reduced (each rank would train its own copy; one set on the wrapper is not even "
+                "called). Fix: add it to the module before wrapping, wrap the new module in a "
+                "FullyShardedDataParallel of its own before assigning it, or pass it in ignored_states at construction.")
 
 
 def refuse_torch_fsdp_inside(module: nn.Module) -> None:
