@@ -44,13 +44,13 @@ def _extension_setup():
             "zeroshard._C",
             sources + ["csrc/flatten_cuda.cu"],
             define_macros=[("ZEROSHARD_WITH_CUDA", None)],
-            depends=["csrc/runs.h", "csrc/copy_cpu.h"],
+            depends=["csrc/runs.h", "csrc/copy_cpu.h", "csrc/py_args.h"],
             extra_compile_args={"cxx": cxx, "nvcc": ["-O3"]},
             extra_link_args=link,
         )
     else:
         ext = cpp_extension.CppExtension(
-            "zeroshard._C", sources, depends=["csrc/runs.h", "csrc/copy_cpu.h"], extra_compile_args={"cxx": cxx},
+            "zeroshard._C", sources, depends=["csrc/runs.h", "csrc/copy_cpu.h", "csrc/py_args.h"], extra_compile_args={"cxx": cxx},
             extra_link_args=link,
         )
 

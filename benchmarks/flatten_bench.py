@@ -14,7 +14,15 @@ Compares, in GB/s (payload bytes counted once / median time):
                 once and replayed, as a FlatParamHandle / ZeRO-1 partition repeats it
   plan unflatten  CopyPlan.unflatten_into
 
-Usage: python benchmarks/flatten_bench.py [--quick] [--device cuda] [--tensors 1000 --mb 4]
+Usage: python benchmarks/flatten_bench.py [--quick] [--device cuda] [--tensors 1000 --mb 4] [--floor]
+
+--floor (CPU) adds what no flatten/unflatten of these tensors can beat, built
+from benchmarks/flatten_floor.cpp with no checks at all:
+
+  runs fl/unfl    the run table copied by csrc/copy_cpu.h's loop alone, the table
+                  built once: the bound for a CopyPlan replay
+  unpack fl/unfl  the same after unpacking the Python lists as every one-shot call
+                  must (csrc/py_args.h): the bound for a one-shot call
 
 A/B of host-side changes: each `--csrc NAME=PATH` JIT-builds the csrc folder PATH
 (flatten.cpp, plan.cpp; with --device cuda flatten_cuda.cu too) as its own module
@@ -114,7 +122,20 @@ def build_csrc(name, path, cu=None):
                 extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=directory, **kw)
 
 
-def bench_case(n, nbytes, device, reps, builds=None):
+def build_floor():
+    """benchmarks/flatten_floor.cpp, flags as setup.py's (see --floor)."""
+    from torch.utils.cpp_extension import load
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(here)
+    directory = os.path.join(root, "build", "flatten_floor")
+    os.makedirs(directory, exist_ok=True)
+    return load(name="zs_flatten_floor", sources=[os.path.join(here, "flatten_floor.cpp")],
+                extra_include_paths=[os.path.join(root, "csrc")], extra_cflags=["-O3", "-g0", "-fopenmp"],
+                extra_ldflags=["-fopenmp"], build_directory=directory)
+
+
+def bench_case(n, nbytes, device, reps, builds=None, floor=None):
     gen = torch.Generator().manual_seed(n * 7 + nbytes)
     numel = nbytes // 4
     sizes = random_sizes(n, numel, gen)
@@ -143,6 +164,12 @@ def bench_case(n, nbytes, device, reps, builds=None):
         ops[f"{name} unfl"] = lambda m=mod: m.unflatten_into(flat, offsets, outs)
         ops[f"{name} plan fl"] = lambda p=p_in: p.flatten_into(flat)
         ops[f"{name} plan unfl"] = lambda p=p_out: p.unflatten_into(flat)
+    if floor is not None:
+        t_in, t_out = floor.Table(tensors, offsets, flat), floor.Table(outs, offsets, flat)
+        ops["runs fl"] = lambda: t_in.copy(True)
+        ops["runs unfl"] = lambda: t_out.copy(False)
+        ops["unpack fl"] = lambda: t_in.unpack_copy(tensors, offsets, True)
+        ops["unpack unfl"] = lambda: t_out.unpack_copy(outs, offsets, False)
     # Round-robin over the variants so that load from other processes (a shared
     # 2-core box) hits all of them alike and the ratios stay meaningful.
     times = {name: [] for name in ops}
@@ -161,6 +188,14 @@ def bench_case(n, nbytes, device, reps, builds=None):
                 o.zero_()
             ops[f"{name} {op}"]()
             assert all(torch.equal(o, t) for o, t in zip(outs, tensors)), f"{name} {op}"
+    for op in ("runs", "unpack") if floor is not None else ():
+        flat.zero_()
+        ops[f"{op} fl"]()
+        assert torch.equal(flat, src), f"{op} fl"
+        for o in outs:
+            o.zero_()
+        ops[f"{op} unfl"]()
+        assert all(torch.equal(o, t) for o, t in zip(outs, tensors)), f"{op} unfl"
     ext.flatten_into(tensors, offsets, flat)
     assert torch.equal(flat, src)
     ext.unflatten_into(flat, offsets, outs)
@@ -185,12 +220,17 @@ def main():
     p.add_argument("--mb", type=int, nargs="+", default=[4, 256], help="payloads, MB")
     p.add_argument("--csrc", action="append", default=[], metavar="NAME=PATH",
                    help="also time a csrc folder's build (repeatable)")
+    p.add_argument("--floor", action="store_true",
+                   help="also time the copy loop with no checks (CPU; see above)")
     args = p.parse_args()
+    if args.floor and torch.device(args.device).type != "cpu":
+        p.error("--floor times the CPU copy loop: use it with --device cpu")
     if any("=" not in spec for spec in args.csrc):
         p.error("--csrc takes NAME=PATH, e.g. --csrc new=csrc")
     cuda = torch.device(args.device).type == "cuda"
     builds = {name: build_csrc(name, path, os.path.join(path, "flatten_cuda.cu") if cuda else None)
               for name, path in (spec.split("=", 1) for spec in args.csrc)}
+    floor = build_floor() if args.floor else None
     torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     os.environ.pop("ZEROSHARD_DISABLE_EXT", None)
@@ -209,20 +249,24 @@ def main():
         "ext/py fl": ("ext flatten", "py flatten"), "ext/py unfl": ("ext unflatten", "py unflatten"),
         "plan/py fl": ("plan flatten", "py flatten"), "plan/py unfl": ("plan unflatten", "py unflatten"),
     }
+    if floor is not None:
+        cols += ["runs fl", "unpack fl", "runs unfl", "unpack unfl"]
+        ratios.update({"runs/copy fl": ("runs fl", "copy"), "unpack/copy fl": ("unpack fl", "copy"),
+                       "runs/copy unfl": ("runs unfl", "copy"), "unpack/copy unfl": ("unpack unfl", "copy")})
     rows = []
     for nbytes in (mb * MB for mb in args.mb):
         reps = 5 if args.quick else 60
         if nbytes >= 64 * MB and not args.quick:
             reps = 10
         for n in args.tensors:
-            rows.append((n, nbytes, bench_case(n, nbytes, device, reps, builds)))
+            rows.append((n, nbytes, bench_case(n, nbytes, device, reps, builds, floor)))
             print(f"  measured {n} tensors x {nbytes // MB} MB", flush=True)
     print("\nGB/s (payload bytes / median time, 1 GB = 1e9 B; higher is better)\n")
     print("| tensors | payload | " + " | ".join(cols) + " |")
     print("|" + "---:|" * (2 + len(cols)))
     for n, nbytes, g in rows:
         print(f"| {n} | {nbytes // MB} MB | " + " | ".join(f"{g[c]:.1f}" for c in cols) + " |")
-    print("\nRatios (target: every /copy >= 0.8x, every /py >= 1.0x)\n")
+    print("\nRatios (target: every ext or plan /copy >= 0.8x, every /py >= 1.0x)\n")
     print("| tensors | payload | " + " | ".join(ratios) + " |")
     print("|" + "---:|" * (2 + len(ratios)))
     for n, nbytes, g in rows:
@@ -235,7 +279,6 @@ def main():
         print("|" + "---:|" * (3 + len(ab)))
         for n, nbytes, g in rows:
             print(f"| {n} | {nbytes // MB} MB | " + " | ".join(f"{nbytes / g[c] / 1e3:.1f}" for c in ["copy"] + ab) + " |")
-
 
 
 if __name__ == "__main__":

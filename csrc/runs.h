@@ -24,7 +24,11 @@ struct Seg {
 };
 
 // prefix[i] = payload bytes before run i; prefix.back() = total.
-std::vector<int64_t> payload_prefix(const std::vector<Seg>& segs);
+inline std::vector<int64_t> payload_prefix(const std::vector<Seg>& segs) {
+  std::vector<int64_t> prefix(segs.size() + 1, 0);
+  for (size_t i = 0; i < segs.size(); ++i) prefix[i + 1] = prefix[i] + segs[i].nbytes;
+  return prefix;
+}
 
 #ifdef ZEROSHARD_WITH_CUDA
 // flatten_cuda.cu. One kernel launch on the current stream.

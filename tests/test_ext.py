@@ -223,6 +223,38 @@ def test_large_parallel_chunks(four_threads, dtype):
         assert same_bytes(o, t)
 
 
+@needs_ext
+def test_every_run_length_at_every_alignment():
+    """The CPU copy loop moves a run in 128-byte vector steps and then its tail: runs of
+    0..520 bytes (four steps and every tail), each read from and written to addresses at
+    every offset 0..31 from a 32-byte boundary, in both directions, byte for byte."""
+    gen = torch.Generator().manual_seed(1)
+    lengths = list(range(521))
+    src_buf = random_bits([sum(lengths) + 32 * len(lengths)], torch.uint8, gen)
+    sources, offsets, at, cursor = [], [], 0, 0
+    for k, n in enumerate(lengths):
+        at += k % 32  # the source's misalignment, from a fresh (aligned) storage's start
+        sources.append(src_buf[at : at + n])
+        at += n
+        cursor += (k * 7) % 32  # the destination's, independently
+        offsets.append(cursor)
+        cursor += n
+    flat = random_bits([cursor + 5], torch.uint8, gen)
+    expect = flat.clone()
+    for s, o in zip(sources, offsets):
+        expect[o : o + s.numel()] = s
+    assert run("ext", ext.flatten_into, sources, offsets, flat) is flat
+    assert torch.equal(flat, expect)
+    dst_buf = torch.zeros_like(src_buf)
+    outs = [dst_buf[s.storage_offset() : s.storage_offset() + s.numel()] for s in sources]
+    run("ext", ext.unflatten_into, flat, offsets, outs)
+    covered = torch.zeros_like(src_buf, dtype=torch.bool)
+    for o in outs:
+        covered[o.storage_offset() : o.storage_offset() + o.numel()] = True
+    assert torch.equal(dst_buf[covered], src_buf[covered])
+    assert not dst_buf[~covered].any()  # nothing written beside the runs
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_empty_inputs(backend):
     flat = torch.arange(4.0)
