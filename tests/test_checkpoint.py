@@ -404,6 +404,17 @@ def test_load_of_an_empty_or_truncated_file_names_it(tmp_path):
         checkpoint.load(path)
 
 
+def test_save_into_a_missing_directory_names_the_path(tmp_path):
+    """torch.save says 'Parent directory ... does not exist'; the atomic save named its
+    temporary file in a FileNotFoundError instead."""
+    from zeroshard import checkpoint
+
+    path = tmp_path / "missing" / "ckpt.pt"
+    with pytest.raises(RuntimeError, match=rf"cannot save '{path}': its parent directory '{path.parent}' does not exist"):
+        checkpoint.save({"w": torch.zeros(2)}, path)
+    assert not path.parent.exists()
+
+
 _BUSY_WRITER = """
 import sys, torch
 from zeroshard import checkpoint

@@ -183,7 +183,11 @@ def write_atomic(path: str | os.PathLike, write) -> None:
     remove_stale(directory, glob.escape(prefix) + "*.tmp", lambda name: prefix)
     tmp = os.path.join(directory, prefix + _writer_tag() + os.urandom(6).hex() + ".tmp")
     # Not mkstemp, whose mode 0600 the rename would hand to the checkpoint: 0666 less the umask, as torch.save's open().
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    except FileNotFoundError as e:  # as torch.save says it, not about a temporary file's name
+        raise RuntimeError(f"zeroshard: cannot save '{path}': its parent directory '{directory}' does not exist. "
+                           "Fix: create it first (os.makedirs).") from e
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
