@@ -85,11 +85,16 @@ __attribute__((target("avx2"))) inline void copy_bytes_avx2(char* to, const char
   if (i < n) std::memcpy(to + i, from + i, n - i);  // under 128 bytes: no rep movsb
 }
 
+#endif
+
 inline bool cpu_has_avx2() {
+#ifdef ZEROSHARD_X86_AVX2
   static const bool yes = __builtin_cpu_supports("avx2");
   return yes;
-}
+#else
+  return false;
 #endif
+}
 
 inline void copy_bytes(char* to, const char* from, int64_t n, bool avx2) {
 #ifdef ZEROSHARD_X86_AVX2
@@ -118,11 +123,7 @@ bool copy_runs_cpu(const std::vector<Seg>& segs, const std::vector<int64_t>& pre
   const int64_t total = prefix.back();
   if (total == 0) return true;
   std::atomic<bool> all_entered{true};
-#ifdef ZEROSHARD_X86_AVX2
   const bool avx2 = cpu_has_avx2();
-#else
-  const bool avx2 = false;
-#endif
   at::parallel_for(0, (total + kUnit - 1) / kUnit, kGrainUnits, [&](int64_t ub, int64_t ue) {
     int64_t pos = ub * kUnit;
     const int64_t end = std::min(ue * kUnit, total);
