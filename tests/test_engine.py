@@ -1042,6 +1042,9 @@ def _config_differs(rank, world_size, key, values):
 @pytest.mark.parametrize("key,values,shown", [
     ("gradient_clipping", (0.01, 0.0), "gradient_clipping is 0.01 on rank 0 but 0.0 on rank 1"),  # replicas drifted
     ("zero_optimization.stage", (0, 1), "zero.stage is 0 on rank 0 but 1 on rank 1"),  # timed out, naming others
+    # a section set on one rank only was named as 'not set' on the rank that set it
+    ("scheduler", ({"type": "WarmupLR", "params": {"warmup_num_steps": 3}}, None),
+     "scheduler is {type: 'WarmupLR', params.warmup_num_steps: 3} on rank 0 but None on rank 1"),
     ("steps_per_print", (10, 10**9), None),  # logging on rank 0 only: no effect on training, allowed
     ("wall_clock_breakdown", (True, False), None),
 ])

@@ -125,8 +125,8 @@ def check_same_config(cfg) -> None:
     if differs is not None:
         r, first, theirs = differs
         key = next(k for k in sorted(set(first) | set(theirs)) if first.get(k) != theirs.get(k))
-        raise ValueError(f"zeroshard.initialize: config {key} is {first.get(key, 'not set')} on rank 0 but "
-                         f"{theirs.get(key, 'not set')} on rank {r}. Fix: give every rank the same config.")
+        raise ValueError(f"zeroshard.initialize: config {key} is {_shown(first, key)} on rank 0 but "
+                         f"{_shown(theirs, key)} on rank {r}. Fix: give every rank the same config.")
 
 
 def _flat(d: dict, prefix: str) -> dict:
@@ -134,3 +134,12 @@ def _flat(d: dict, prefix: str) -> dict:
     for k, v in d.items():
         out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) and v else {f"{prefix}{k}": v})
     return out
+
+
+def _shown(flat: dict, key: str) -> str:
+    """``key``'s value in a ``_flat`` config; a section one rank sets (and so was split into
+    subkeys) where another has None or {} is shown whole."""
+    if key in flat:
+        return flat[key]
+    inside = [f"{k[len(key) + 1:]}: {v}" for k, v in flat.items() if k.startswith(key + ".")]
+    return "{" + ", ".join(inside) + "}" if inside else "not set"
