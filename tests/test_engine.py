@@ -21,6 +21,7 @@ import contextlib
 import math
 import copy
 import os
+import re
 import warnings
 
 import pytest
@@ -874,13 +875,27 @@ def _failed_load_changes_nothing(rank, world_size, stage, ckpt_dir):
     before = ds_checkpoint.model_state_dict(other)
     with pytest.raises(ValueError, match="param groups"):
         other.load_checkpoint(ckpt_dir, tag="two_groups")
-    return other.global_steps == 0 and _equal_nested(before, ds_checkpoint.model_state_dict(other))
+    unchanged = other.global_steps == 0 and _equal_nested(before, ds_checkpoint.model_state_dict(other))
+    engine.save_checkpoint(ckpt_dir, tag="adamw")
+    sgd = {"optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": 0.9}}}
+    sgd_engine, *_ = _engine(stage, seed=1, **sgd)
+    _train(sgd_engine, rank, 1, 0)
+    sgd_engine.save_checkpoint(ckpt_dir, tag="sgd")
+    for engine, tag, missing in ((_engine(stage, seed=2, **sgd)[0], "adamw", "['dampening', 'momentum']"),
+                                 (_engine(stage, seed=2)[0], "sgd", "['betas', 'eps']")):
+        before = ds_checkpoint.model_state_dict(engine)
+        with pytest.raises(ValueError, match=re.escape(f"lacks {missing} in param group 0, which this engine's")):
+            engine.load_checkpoint(ckpt_dir, tag=tag)
+        unchanged = unchanged and engine.global_steps == 0 and _equal_nested(before, ds_checkpoint.model_state_dict(engine))
+    return unchanged
 
 
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_a_failed_load_changes_nothing(ranks, tmp_path, stage):
     """An optimizer state that does not fit raised only after the weights were loaded
-    (16 of 17 tensors overwritten at stage 3): it is now checked first."""
+    (16 of 17 tensors overwritten at stage 3): it is now checked first. So is another
+    optimizer's state: SGD's into AdamW raised a KeyError 'step' after the weights had
+    loaded, AdamW's into SGD loaded and failed at the first step ('momentum')."""
     assert all(ranks.run(2, _failed_load_changes_nothing, stage, str(tmp_path)))
 
 
@@ -889,6 +904,8 @@ def _step_without_backward(rank, world_size, stage, precision):
     engine, opt, _, _ = _engine(stage, accum=1, **extra)
     params = lambda: [p.detach().clone() for p in engine.module.parameters()]  # noqa: E731
     before = params()
+    with pytest.raises(ValueError, match=r"loss must be the tensor the model's output gave, got a float \(0\.5\)"):
+        engine.backward(0.5)  # was an AttributeError from inside backward
     engine.step()  # no backward on any rank
     untouched = all(torch.equal(a, b) for a, b in zip(before, params()))
     no_state = not any(opt.state.values())
@@ -1245,6 +1262,39 @@ def _files_tags_and_one_bad_copy(rank, world_size, ckpt_dir):
     except (ValueError, RuntimeError) as e:
         out["one bad copy"] = str(e)
     return out
+
+
+def _model_file_edited(rank, world_size, ckpt_dir):
+    engine, *_ = _engine(1)
+    _train(engine, rank, 1, 0)
+    engine.save_checkpoint(ckpt_dir, tag="t")
+    path = os.path.join(ckpt_dir, "t", ds_checkpoint.MODEL_FILE)
+    saved = torch.load(path, weights_only=False)
+    said = {}
+    for how in ("list", "module", "global_steps"):
+        torch.distributed.barrier()
+        if rank == 0:
+            torch.save([1, 2] if how == "list" else {k: v for k, v in saved.items() if k != how}, path)
+        torch.distributed.barrier()
+        other, *_ = _engine(1, seed=1)
+        before = ds_checkpoint.model_state_dict(other)
+        try:
+            other.load_checkpoint(ckpt_dir, tag="t")
+        except ValueError as e:
+            said[how] = str(e)
+        said[how] = (said.get(how), _equal_nested(before, ds_checkpoint.model_state_dict(other)))
+    return said
+
+
+def test_a_model_file_without_its_entries_is_named_before_anything_loads(ranks, tmp_path):
+    """A model file that is not a dict, or lacks 'module' or 'global_steps': an AttributeError or
+    KeyError from inside the load, for 'global_steps' after the weights had loaded."""
+    for said in ranks.run(2, _model_file_edited, str(tmp_path / "ck")):
+        for how, held in (("list", "holds a list, not a model file"),
+                          ("module", "holds a dict without 'module', not a model file"),
+                          ("global_steps", "holds a dict without 'global_steps', not a model file")):
+            msg, unchanged = said[how]
+            assert msg and held in msg and "Fix: copy the tag folder again" in msg and unchanged, (how, msg)
 
 
 def test_checkpoint_tags_temporaries_and_unreadable_files(ranks, tmp_path):

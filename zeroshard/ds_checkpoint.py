@@ -278,6 +278,8 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
         raise RuntimeError(f"zeroshard load_checkpoint: rank {bad[0]} could not read the checkpoint in {folder}: "
                            f"{bad[1]}")
     # Checks first: nothing below may fail once the weights are loaded.
+    if osd is not None:
+        _check_same_kind(engine.optimizer, osd["param_groups"], folder)
     if engine.zero1 is not None and osd is not None:
         engine.zero1.check_state_dict(osd)
     elif osd is not None:
@@ -309,6 +311,13 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
 def _read(engine, path: str, folder: str, load_optimizer_states: bool, load_module_only: bool):
     """This rank's model file, client_state, optimizer state and loss-scaler state to load."""
     ckpt = checkpoint.load(path, weights_only=False)
+    need = ("module",) if load_module_only else ("module", "global_steps", "skipped_steps")
+    missing = [k for k in need if k not in ckpt] if isinstance(ckpt, dict) else None
+    if missing != []:  # read after the weights load: a KeyError there left them loaded
+        held = f"a {type(ckpt).__name__}" if missing is None else f"a dict without {', '.join(map(repr, missing))}"
+        raise ValueError(f"zeroshard load_checkpoint: {path} holds {held}, not a model file (zeroshard's and "
+                         f"DeepSpeed's are dicts with {', '.join(map(repr, need))}): another file under that name, or "
+                         "one edited by hand? Fix: copy the tag folder again from where it was saved.")
     legacy = OWN not in ckpt and "client_state" in ckpt and "zero_stage" in ckpt  # zeroshard before DeepSpeed's layout
     by_deepspeed = OWN not in ckpt and not legacy
     if legacy:
@@ -349,6 +358,29 @@ def _scaler_state(engine, saved: dict | None, folder: str) -> dict | None:
                       "loaded). Fix: nothing if the change is meant; else set fp16.loss_scale as when saving.",
                       stacklevel=5)
     return None
+
+
+def _check_same_kind(optimizer, saved_groups: list, folder: str) -> None:
+    """Another optimizer's state (SGD's into AdamW) failed half-way, after the weights had loaded
+    (AdamW: a KeyError 'step'), or at the first step (SGD: 'momentum' missing from the groups that
+    load_state_dict took from the file). Refused when the saved groups, filled in as this
+    optimizer's load_state_dict fills them (its __setstate__ defaults keys that older torch
+    versions did not save), lack a hyperparameter of this optimizer's. (ZeRO-1's groups are saved
+    without their parameters.)"""
+    probe = object.__new__(type(optimizer))
+    probe.defaults = dict(optimizer.defaults)
+    try:
+        type(optimizer).__setstate__(probe, {"state": {}, "param_groups": [{"params": [], **g} for g in saved_groups]})
+        loaded = probe.param_groups
+    except Exception:  # noqa: BLE001 - an optimizer whose __setstate__ needs more: torch's load decides
+        return
+    for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, loaded)):
+        missing = sorted(set(mine) - set(theirs) - {"params", "param_names"})
+        if missing:
+            raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {folder} lacks {missing} in param group "
+                             f"{i}, which this engine's {type(optimizer).__name__} needs: it was saved by another "
+                             "optimizer. Fix: configure the optimizer used when saving, or load_optimizer_states=False "
+                             "(weights, LR scheduler and counters only).")
 
 
 def _check_groups(optimizer, osd: dict, folder: str) -> None:

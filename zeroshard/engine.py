@@ -219,6 +219,9 @@ class Engine(ConfigGetters, nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of loss / gradient_accumulation_steps (x the fp16 loss scale);
         returns loss / gradient_accumulation_steps, unscaled, as DeepSpeed does."""
+        if not isinstance(loss, torch.Tensor):  # a float(loss) or loss.item(): no graph to go back through
+            raise ValueError(f"zeroshard engine.backward: loss must be the tensor the model's output gave, got a "
+                             f"{type(loss).__name__} ({loss!r:.40}). Fix: pass the loss before .item() or float().")
         if scale_wrt_gas and self.gradient_accumulation_steps() > 1:
             loss = loss / self.gradient_accumulation_steps()
         scaled = loss if self.loss_scaler is None else loss.float() * self.loss_scaler.loss_scale
