@@ -153,7 +153,11 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
     if agree:  # over the model's groups unless told (a model on some ranks only: the others are not in the call)
         root = units_of(model)[0]
         pgs = [group] if group is not None else [root.process_group, getattr(root, "_replicate_group", None)]
-        _agree(problem, source.row_keys if source is not None else [], [g for g in pgs if g is not None])
+        held = {}  # a dict of each rank's own: which states it holds for the parameters this rank's optimizer steps
+        if problem is None and not source.collective:
+            held = {f: tuple(sorted(st)) if isinstance(st := source.state.get(f), dict) else None
+                    for fqns in fqn_groups for f in fqns}
+        _agree(problem, source.row_keys if source is not None else [], held, [g for g in pgs if g is not None])
     elif problem is not None:
         raise problem
     if state is None:
@@ -231,19 +235,25 @@ def _param_groups(saved_groups: list, optim, fqn_groups: list) -> list:
     return groups
 
 
-def _agree(problem: ValueError | None, row_keys: list, groups: list) -> None:
+def _agree(problem: ValueError | None, row_keys: list, held: dict, groups: list) -> None:
     """Every rank learns whether any rank cannot load its dict, and whether all hold the same row-sharded
     states, before a state is fetched: fetching rows or rank 0's states is collective, so a rank raising
     alone would leave the others waiting, and mismatched all-gathers abort the processes under gloo. Over
     each of ``groups`` in turn (hybrid: the shard group, then the replicate group), what a rank learnt in
-    one is passed on in the next, and nobody raises before all exchanges are done."""
+    one is passed on in the next, and nobody raises before all exchanges are done.
+
+    ``held`` (a dict that each rank passes for itself): the state names it holds for each parameter
+    this rank's optimizer steps, None for none. Ranks must agree where both step a parameter: one
+    missing a parameter's state on one rank only restarted it there (under NO_SHARD the replicas
+    drifted apart silently, as in torch FSDP1), or dropped it from that rank's shard."""
     found = None  # the first problem seen on another rank
     if dist.is_available() and dist.is_initialized():
         for group in (g for g in groups if dist.get_world_size(g) > 1):
-            mine = (None if problem is None else str(problem), row_keys, found)
+            mine = (None if problem is None else str(problem), row_keys, held, found)
             everyone = comm.gather_objects(mine, group, "optim_state_dict_to_load: checking every rank's state dict")
-            for r, (theirs, keys, relayed) in enumerate(everyone):
+            for r, (theirs, keys, their_held, relayed) in enumerate(everyone):
                 who = dist.get_global_rank(group, r)
+                unlike = next((f for f in held if f in their_held and held[f] != their_held[f]), None)
                 if found is None and theirs is not None:
                     found = (f"zeroshard: optim_state_dict_to_load: nothing was converted: rank {who} cannot load its "
                              f"optimizer state dict: {theirs}")
@@ -254,6 +264,13 @@ def _agree(problem: ValueError | None, row_keys: list, groups: list) -> None:
                     found = (f"zeroshard: optim_state_dict_to_load: this rank and rank {who} hold different "
                              f"row-sharded optimizer states (only here: {here}, only there: {there}). Fix: give every "
                              "rank the dict that optim_state_dict returned on it (or that DCP loaded).")
+                elif found is None and unlike is not None:
+                    def shown(keys):
+                        return "none" if keys is None else list(keys)
+                    found = (f"zeroshard: optim_state_dict_to_load: nothing was converted: this rank's optimizer state "
+                             f"dict and rank {who}'s hold different states for '{unlike}' (here: "
+                             f"{shown(held[unlike])}, there: {shown(their_held[unlike])}). Fix: give every rank the same "
+                             "dict (what optim_state_dict returned, or one file loaded on every rank).")
     if problem is not None:
         raise problem
     if found is not None:
