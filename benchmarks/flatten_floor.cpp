@@ -23,6 +23,7 @@ class Table {
   Table(py::handle tensors, py::handle offsets, const at::Tensor& flat) : flat_(flat) {
     PyTensors ts(tensors, "tensors");
     const std::vector<int64_t> offs = unpack_ints(offsets, "offsets");
+    TORCH_CHECK(offs.size() == ts.ptrs.size(), "flatten_floor: ", ts.ptrs.size(), " tensors but ", offs.size(), " offsets");
     const int64_t es = flat.element_size();
     for (size_t i = 0; i < ts.ptrs.size(); ++i) {
       const at::Tensor& t = *ts.ptrs[i];

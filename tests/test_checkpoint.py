@@ -397,8 +397,10 @@ def test_load_of_an_empty_or_truncated_file_names_it(tmp_path):
     path = tmp_path / "ckpt.pt"
     checkpoint.save({"w": torch.randn(1000, 100)}, path)
     os.truncate(path, os.path.getsize(path) // 2)  # e.g. an interrupted copy
+    with pytest.raises(RuntimeError, match=rf"checkpoint.load: '{path}' \(\d+ bytes\) is truncated or damaged \(BadZipFile: "):
+        checkpoint.load(path)  # found by the CRC check's zip reader
     with pytest.raises(RuntimeError, match=rf"checkpoint.load: '{path}' \(\d+ bytes\) is empty or truncated \(RuntimeError: "):
-        checkpoint.load(path)
+        checkpoint.load(path, verify=False)  # found by torch.load
     open(path, "wb").close()
     with pytest.raises(RuntimeError, match=rf"checkpoint.load: '{path}' \(0 bytes\) is empty or truncated \(EOFError"):
         checkpoint.load(path)
@@ -407,7 +409,8 @@ def test_load_of_an_empty_or_truncated_file_names_it(tmp_path):
 def test_load_of_a_file_cut_anywhere_or_with_changed_bytes_names_it(tmp_path):
     """Cut at 40 points, torch.load raised a bare 'OSError: [Errno 22] Invalid argument' at 19
     of them; with 64 bytes zeroed, it loaded wrong values silently at 49 of 50 offsets (it
-    checks no CRC). load checks every entry's CRC-32 first, unless verify=False."""
+    checks no CRC). load checks every entry's CRC-32 first, unless verify=False; it still reads
+    every file torch.load reads."""
     from zeroshard import checkpoint
 
     path = tmp_path / "ckpt.pt"
@@ -416,8 +419,9 @@ def test_load_of_a_file_cut_anywhere_or_with_changed_bytes_names_it(tmp_path):
     blob = path.read_bytes()
     for k in range(1, 40):
         path.write_bytes(blob[: len(blob) * k // 40])
-        with pytest.raises(RuntimeError, match=rf"checkpoint.load: '{path}' \(\d+ bytes\) is (empty or )?truncated"):
-            checkpoint.load(path)
+        for verify in (True, False):
+            with pytest.raises(RuntimeError, match=rf"checkpoint.load: '{path}' \(\d+ bytes\) is (empty or )?truncated"):
+                checkpoint.load(path, verify=verify)
     data = blob.index(state["l2"].numpy().tobytes()[:64])  # inside a tensor's bytes
     path.write_bytes(blob[:data] + bytes(64) + blob[data + 64 :])
     with pytest.raises(RuntimeError, match=r"is damaged: its entry '.*/data/\d+' fails its CRC-32 check"):
@@ -426,6 +430,17 @@ def test_load_of_a_file_cut_anywhere_or_with_changed_bytes_names_it(tmp_path):
     assert not torch.equal(loaded["l2"], state["l2"]) and torch.equal(loaded["l1"], state["l1"])
     path.write_bytes(blob)
     assert all(torch.equal(v, state[k]) for k, v in checkpoint.load(path).items())
+    # What torch.load reads, load reads: a save told not to compute CRCs (all 0), and a legacy
+    # (non-zip) file whose tensor bytes hold a zip end record (zipfile.is_zipfile says yes)
+    torch.serialization.set_crc32_options(False)
+    try:
+        checkpoint.save(state, path)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert all(torch.equal(v, state[k]) for k, v in checkpoint.load(path).items())
+    eocd = torch.tensor(list(b"PK\x05\x06" + bytes(18)), dtype=torch.uint8)
+    torch.save({"w": eocd}, path, _use_new_zipfile_serialization=False)
+    assert torch.equal(checkpoint.load(path)["w"], eocd)
 
 
 def test_save_into_a_missing_directory_names_the_path(tmp_path):

@@ -890,6 +890,33 @@ def _failed_load_changes_nothing(rank, world_size, stage, ckpt_dir):
     return unchanged
 
 
+def _scheduler_changed(rank, world_size, stage, ckpt_dir):
+    no_sched = {k: v for k, v in _config(stage).items() if k != "scheduler"}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved, *_ = initialize(model=build("mlp"), config=no_sched)
+        _train(saved, rank, 1, 0)
+        saved.save_checkpoint(ckpt_dir, tag="no_sched")
+        _engine(stage)[0].save_checkpoint(ckpt_dir, tag="warmup")
+        lam = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)  # noqa: E731 - adds 'initial_lr' to the groups
+        resumed, *_ = initialize(model=build("mlp", seed=1), config=no_sched, lr_scheduler=lam)
+        resumed.load_checkpoint(ckpt_dir, tag="no_sched")  # was refused as "another optimizer" ('initial_lr')
+        loaded = _equal_nested(ds_checkpoint.model_state_dict(saved), ds_checkpoint.model_state_dict(resumed))
+        other, *_ = initialize(model=build("mlp", seed=1), config=no_sched, lr_scheduler=lam)
+    before = ds_checkpoint.model_state_dict(other)
+    with pytest.raises(ValueError, match=r"LR scheduler state in .* does not load into this engine's LambdaLR \(KeyError"):
+        other.load_checkpoint(ckpt_dir, tag="warmup")  # raised from the scheduler's load, after the weights
+    return loaded and _equal_nested(before, ds_checkpoint.model_state_dict(other))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_resume_under_another_scheduler(ranks, tmp_path, stage):
+    """A client LR scheduler over a checkpoint saved without one loads (an optimizer check compared
+    every group key, the scheduler's 'initial_lr' too); another scheduler's state is refused before
+    anything loads."""
+    assert all(ranks.run(2, _scheduler_changed, stage, str(tmp_path)))
+
+
 @pytest.mark.parametrize("stage", [0, 1, 3])
 def test_a_failed_load_changes_nothing(ranks, tmp_path, stage):
     """An optimizer state that does not fit raised only after the weights were loaded

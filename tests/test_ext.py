@@ -226,17 +226,18 @@ def test_large_parallel_chunks(four_threads, dtype):
 @needs_ext
 def test_every_run_length_at_every_alignment():
     """The CPU copy loop moves a run in 128-byte vector steps and then its tail: runs of
-    0..520 bytes (four steps and every tail), each read from and written to addresses at
-    every offset 0..31 from a 32-byte boundary, in both directions, byte for byte."""
+    0..520 bytes (four steps and every tail), read from and written to addresses at every
+    offset 0..31 from a 32-byte boundary (each length at one source and one destination
+    offset, the two independent), in both directions, byte for byte."""
     gen = torch.Generator().manual_seed(1)
     lengths = list(range(521))
-    src_buf = random_bits([sum(lengths) + 32 * len(lengths)], torch.uint8, gen)
+    src_buf = random_bits([sum(lengths) + 64 * len(lengths)], torch.uint8, gen)
     sources, offsets, at, cursor = [], [], 0, 0
     for k, n in enumerate(lengths):
-        at += k % 32  # the source's misalignment, from a fresh (aligned) storage's start
+        at = -(-at // 32) * 32 + k % 32  # the source's offset from a 32-byte boundary (fresh storages are 64-aligned)
         sources.append(src_buf[at : at + n])
         at += n
-        cursor += (k * 7) % 32  # the destination's, independently
+        cursor = -(-cursor // 32) * 32 + (k * 7) % 32  # the destination's, independently
         offsets.append(cursor)
         cursor += n
     flat = random_bits([cursor + 5], torch.uint8, gen)

@@ -41,6 +41,7 @@ which checks every key first).
 from __future__ import annotations
 
 import contextlib
+import copy
 import glob
 import os
 import re
@@ -231,6 +232,7 @@ def _read_optimizer(engine, ckpt: dict, folder: str, by_deepspeed: bool):
                          f"engine needs '{optim_format(engine)}' (stage {engine.stage}, "
                          f"{engine.config.low_precision_dtype or 'fp32'}). Fix: load_optimizer_states=False (weights "
                          "only), or the stage and precision of the save.")
+    _check_same_kind(engine.optimizer, osd["param_groups"], folder)
     return osd
 
 
@@ -267,7 +269,8 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
     # Read and checked on every rank before any collective: a file bad on one rank's copy
     # (node-local disks) is named on every rank instead of failing the others' next collective.
     try:
-        ckpt, client, osd, scaler = _read(engine, path, folder, load_optimizer_states, load_module_only)
+        ckpt, client, osd, scaler = _read(engine, path, folder, load_optimizer_states, load_module_only,
+                                          load_lr_scheduler_states)
         problem = None
     except Exception as e:  # noqa: BLE001 - re-raised below, and told to the other ranks
         problem, error = f"{type(e).__name__}: {e}", e
@@ -278,8 +281,6 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
         raise RuntimeError(f"zeroshard load_checkpoint: rank {bad[0]} could not read the checkpoint in {folder}: "
                            f"{bad[1]}")
     # Checks first: nothing below may fail once the weights are loaded.
-    if osd is not None:
-        _check_same_kind(engine.optimizer, osd["param_groups"], folder)
     if engine.zero1 is not None and osd is not None:
         engine.zero1.check_state_dict(osd)
     elif osd is not None:
@@ -308,7 +309,8 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
     return path, client
 
 
-def _read(engine, path: str, folder: str, load_optimizer_states: bool, load_module_only: bool):
+def _read(engine, path: str, folder: str, load_optimizer_states: bool, load_module_only: bool,
+          load_lr_scheduler_states: bool = False):
     """This rank's model file, client_state, optimizer state and loss-scaler state to load."""
     ckpt = checkpoint.load(path, weights_only=False)
     need = ("module",) if load_module_only else ("module", "global_steps", "skipped_steps")
@@ -331,7 +333,23 @@ def _read(engine, path: str, folder: str, load_optimizer_states: bool, load_modu
     if load_optimizer_states and not load_module_only and engine.optimizer is not None:
         osd = _read_optimizer(engine, ckpt, folder, by_deepspeed)
     scaler = None if load_module_only else _scaler_state(engine, own.get("loss_scaler"), folder)
+    if load_lr_scheduler_states and not load_module_only and ckpt.get("lr_scheduler") is not None:
+        _check_scheduler(engine.lr_scheduler, ckpt["lr_scheduler"], folder)
     return ckpt, client, osd, scaler
+
+
+def _check_scheduler(scheduler, saved: dict, folder: str) -> None:
+    """Another scheduler's state (WarmupLR's into a LambdaLR) raised from its load_state_dict after
+    the weights had loaded: tried first on a shallow copy (its load only sets attributes; LambdaLR's
+    pops from the dict it is given)."""
+    if scheduler is None or not hasattr(scheduler, "load_state_dict"):
+        return
+    try:
+        copy.copy(scheduler).load_state_dict(dict(saved))
+    except Exception as e:  # noqa: BLE001 - named below, and told to the other ranks
+        raise ValueError(f"zeroshard load_checkpoint: the LR scheduler state in {folder} does not load into this engine's "
+                         f"{type(scheduler).__name__} ({type(e).__name__}: {e}): saved by another scheduler? Fix: "
+                         "configure the scheduler used when saving, or load_lr_scheduler_states=False.") from e
 
 
 def _scaler_state(engine, saved: dict | None, folder: str) -> dict | None:
@@ -365,17 +383,18 @@ def _check_same_kind(optimizer, saved_groups: list, folder: str) -> None:
     (AdamW: a KeyError 'step'), or at the first step (SGD: 'momentum' missing from the groups that
     load_state_dict took from the file). Refused when the saved groups, filled in as this
     optimizer's load_state_dict fills them (its __setstate__ defaults keys that older torch
-    versions did not save), lack a hyperparameter of this optimizer's. (ZeRO-1's groups are saved
-    without their parameters.)"""
-    probe = object.__new__(type(optimizer))
-    probe.defaults = dict(optimizer.defaults)
+    versions did not save), lack one of this optimizer's defaults: not any key of its groups, as
+    an LR scheduler's 'initial_lr' or a user's own keys, which load_state_dict drops. (ZeRO-1's
+    groups are saved without their parameters.)"""
     try:
+        probe = object.__new__(type(optimizer))
+        probe.defaults = dict(optimizer.defaults)
         type(optimizer).__setstate__(probe, {"state": {}, "param_groups": [{"params": [], **g} for g in saved_groups]})
         loaded = probe.param_groups
     except Exception:  # noqa: BLE001 - an optimizer whose __setstate__ needs more: torch's load decides
         return
-    for i, (mine, theirs) in enumerate(zip(optimizer.param_groups, loaded)):
-        missing = sorted(set(mine) - set(theirs) - {"params", "param_names"})
+    for i, theirs in enumerate(loaded):
+        missing = sorted(set(optimizer.defaults) - set(theirs))
         if missing:
             raise ValueError(f"zeroshard load_checkpoint: the optimizer state in {folder} lacks {missing} in param group "
                              f"{i}, which this engine's {type(optimizer).__name__} needs: it was saved by another "

@@ -150,13 +150,16 @@ def optim_state_dict_to_load(model: nn.Module, optim: torch.optim.Optimizer, opt
             state, empty_shard = _convert(index, params, source)
         except Exception as e:  # noqa: BLE001 - a malformed entry (TypeError, KeyError) too: raised below, on every rank
             problem = e
+    held = {}  # a dict of each rank's own: which states it holds for the parameters this rank's optimizer steps
+    if problem is None and not source.collective:
+        try:
+            held = {f: tuple(sorted(map(str, st))) if isinstance(st := source.state.get(f), dict) else None
+                    for fqns in fqn_groups for f in fqns}
+        except Exception as e:  # noqa: BLE001 - raised below, on every rank
+            problem = e
     if agree:  # over the model's groups unless told (a model on some ranks only: the others are not in the call)
         root = units_of(model)[0]
         pgs = [group] if group is not None else [root.process_group, getattr(root, "_replicate_group", None)]
-        held = {}  # a dict of each rank's own: which states it holds for the parameters this rank's optimizer steps
-        if problem is None and not source.collective:
-            held = {f: tuple(sorted(st)) if isinstance(st := source.state.get(f), dict) else None
-                    for fqns in fqn_groups for f in fqns}
         _agree(problem, source.row_keys if source is not None else [], held, [g for g in pgs if g is not None])
     elif problem is not None:
         raise problem
@@ -265,16 +268,18 @@ def _agree(problem: ValueError | None, row_keys: list, held: dict, groups: list)
                              f"row-sharded optimizer states (only here: {here}, only there: {there}). Fix: give every "
                              "rank the dict that optim_state_dict returned on it (or that DCP loaded).")
                 elif found is None and unlike is not None:
-                    def shown(keys):
-                        return "none" if keys is None else list(keys)
                     found = (f"zeroshard: optim_state_dict_to_load: nothing was converted: this rank's optimizer state "
                              f"dict and rank {who}'s hold different states for '{unlike}' (here: "
-                             f"{shown(held[unlike])}, there: {shown(their_held[unlike])}). Fix: give every rank the same "
-                             "dict (what optim_state_dict returned, or one file loaded on every rank).")
+                             f"{_names(held[unlike])}, there: {_names(their_held[unlike])}). Fix: give every rank the "
+                             "same dict (what optim_state_dict returned, or one file loaded on every rank).")
     if problem is not None:
         raise problem
     if found is not None:
         raise ValueError(found)
+
+
+def _names(keys: tuple | None):
+    return "none" if keys is None else list(keys)
 
 
 def _by_name(model: nn.Module, optim, params: list, state: dict, groups: list, empty_shard: list) -> dict:
