@@ -3,6 +3,7 @@ and the fix, at construction, instead of a hang or a wrong result."""
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 
 import pytest
@@ -345,6 +346,29 @@ def test_sync_module_states_refuses_ranks_with_other_buffers(ranks):
     neighbours' values (BatchNorm's running stats became others'), silently (review finding)."""
     for msg in ranks.run(2, _sync_with_other_buffers):
         assert msg and "states to broadcast differ" in msg and "l1.extra" in msg and "Fix" in msg, msg
+
+
+def _hybrid_sync_with_another_model_on_one_rank(rank, world_size):
+    groups = {r: torch.distributed.new_group(list(r)) for r in ((0, 1), (2, 3), (0, 2), (1, 3))}
+    shard, replicate = groups[(0, 1) if rank < 2 else (2, 3)], groups[(0, 2) if rank % 2 == 0 else (1, 3)]
+    try:
+        zs.FSDP(_Buffers(extra=rank == 2), sync_module_states=True, sharding_strategy=zs.ShardingStrategy.HYBRID_SHARD,
+                process_group=(shard, replicate))
+    except ValueError as e:
+        return str(e)
+    finally:
+        time.sleep(3 if rank >= 2 else 0)  # those that found it stay: the others must not wait for them to exit
+    return None
+
+
+def test_hybrid_sync_module_states_refuses_another_model_on_every_rank(ranks):
+    """Rank 2's model has one buffer more: only ranks 2 and 3 (its shard group) raised; ranks 0 and
+    1 agreed in theirs and waited in the replicate comparison until 2 and 3 exited, or for the
+    subgroup's own timeout (30 min by default) while those stayed alive."""
+    said = ranks.run(4, _hybrid_sync_with_another_model_on_one_rank, timeout=90)
+    for rank, msg in enumerate(said):
+        assert msg and "states to broadcast differ" in msg and "l1.extra" in msg, (rank, msg)
+        assert ("on rank 0 but" if rank < 2 else "on rank 2 but") in msg, (rank, msg)
 
 
 def _full_prec_in_eval_on_one_rank(rank, world_size):

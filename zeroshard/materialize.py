@@ -141,18 +141,27 @@ def sync_module_states(root: nn.Module, skip, groups, ignored_params=frozenset()
 
 def _check_same_states(root: nn.Module, tensors: list, groups) -> None:
     """Every rank must broadcast the same list of tensors: one buffer more or less on a rank
-    (gloo does not compare sizes) shifts every later buffer's values into its neighbours'."""
+    (gloo does not compare sizes) shifts every later buffer's values into its neighbours'.
+    Every rank runs each group's comparison (hybrid: shard, then replicate), then the first
+    group shares what they found, as check_same_layout does: a rank whose row and column agree
+    still learns of a difference elsewhere in the grid (it waited in the next comparison while
+    the ranks that found one raised)."""
     names = {id(t): n for named in (root.named_parameters(remove_duplicate=False), root.named_buffers(remove_duplicate=False))
              for n, t in named}
     mine = [(names.get(id(t), "?"), tuple(t.shape), str(t.dtype)) for t in tensors]
-    for group in groups:
-        if group is None or group.size() == 1:
-            continue
+    live = [g for g in groups if g is not None and g.size() > 1]
+    found = None
+    for group in live:
         differs = comm.first_difference(mine, group, "sync_module_states (comparing the states across ranks)")
-        if differs is not None:
+        if differs is not None and found is None:
             r, first, theirs = differs
             i, a, b = agreement.first_mismatch(first, theirs)
-            raise ValueError(f"zeroshard: sync_module_states in FullyShardedDataParallel({type(root).__name__}): "
-                             f"the states to broadcast differ across ranks: #{i} is {a} on the source rank but {b} on "
-                             f"rank {r}. Fix: build the same model (parameters and buffers) on every rank.")
+            found = f"#{i} is {a} on rank {dist.get_global_rank(group, 0)} but {b} on rank {r}"
+    if len(live) > 1:
+        shared = comm.first_problem(found, live[0], "sync_module_states (sharing what the comparisons found)")
+        found = shared[1] if shared is not None else None
+    if found is not None:
+        raise ValueError(f"zeroshard: sync_module_states in FullyShardedDataParallel({type(root).__name__}): "
+                         f"the states to broadcast differ across ranks: {found}. Fix: build the same model "
+                         "(parameters and buffers) on every rank.")
 
