@@ -1330,6 +1330,6 @@ def test_checkpoint_tags_temporaries_and_unreadable_files(ranks, tmp_path):
         assert out["temporaries left"] == [out["live"]], out
         msg = out["one bad copy"]
         if rank == 1:
-            assert msg and "is empty or truncated" in msg, msg
+            assert msg and "is truncated or damaged" in msg, msg
         else:
-            assert msg and "rank 1 could not read the checkpoint" in msg and "is empty or truncated" in msg, msg
+            assert msg and "rank 1 could not read the checkpoint" in msg and "is truncated or damaged" in msg, msg
