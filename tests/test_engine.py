@@ -909,6 +909,33 @@ def _scheduler_changed(rank, world_size, stage, ckpt_dir):
     return loaded and _equal_nested(before, ds_checkpoint.model_state_dict(other))
 
 
+def _failed_load_leaves_the_scheduler(rank, world_size, ckpt_dir):
+    def seq(opt):
+        lam = torch.optim.lr_scheduler.LambdaLR
+        return torch.optim.lr_scheduler.SequentialLR(opt, [lam(opt, lambda s: 1.0), lam(opt, lambda s: 0.5)], milestones=[2])
+
+    no_sched = {k: v for k, v in _config(0).items() if k != "scheduler"}
+    model = build("mlp")
+    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
+              {"params": [p for n, p in model.named_parameters() if not n.endswith("weight")], "weight_decay": 0.0}]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        saved, *_ = initialize(model=model, model_parameters=groups, config=no_sched, lr_scheduler=seq)
+        _train(saved, rank, 3, 0)
+        saved.save_checkpoint(ckpt_dir, tag="t")
+        other, *_ = initialize(model=build("mlp", seed=1), config=no_sched, lr_scheduler=seq)  # one param group
+    before = [s.last_epoch for s in other.lr_scheduler._schedulers]
+    with pytest.raises(ValueError, match="param groups"):
+        other.load_checkpoint(ckpt_dir, tag="t")
+    return [s.last_epoch for s in other.lr_scheduler._schedulers] == before != [s.last_epoch for s in saved.lr_scheduler._schedulers]
+
+
+def test_a_failed_load_leaves_the_scheduler_as_it_was(ranks, tmp_path):
+    """The scheduler check tried the saved state on a shallow copy, which shares SequentialLR's
+    child schedulers: they took the saved epochs although the load then failed (review finding)."""
+    assert all(ranks.run(2, _failed_load_leaves_the_scheduler, str(tmp_path)))
+
+
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_resume_under_another_scheduler(ranks, tmp_path, stage):
     """A client LR scheduler over a checkpoint saved without one loads (an optimizer check compared

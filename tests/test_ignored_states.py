@@ -71,7 +71,7 @@ def _modules_and_misuse(rank, world_size):
     assert as_states._handle.layout.padded_numel == as_modules._handle.layout.padded_numel
     errors = []
     for kw in ({"ignored_states": [m[0]], "ignored_modules": [m[1]]}, {"ignored_states": [m[0], m[1].weight]},
-               {"ignored_states": m[1].weight}):
+               {"ignored_states": m[1].weight}, {"ignored_states": m[1]}):
         try:
             zs.FSDP(copy.deepcopy(m), **kw)
         except ValueError as e:
@@ -87,9 +87,10 @@ def _modules_and_misuse(rank, world_size):
 
 def test_ignored_modules_through_ignored_states_and_misuse(ranks):
     errors = ranks.run(2, _modules_and_misuse)[0]
-    assert len(errors) == 4 and "not both" in errors[0] and "all nn.Parameters or all nn.Modules" in errors[1], errors
-    assert "got a single parameter. Fix: ignored_states=[param]" in errors[2], errors  # was "got ['Tensor']"
-    assert "should not include FSDP modules" in errors[3], errors
+    assert len(errors) == 5 and "not both" in errors[0] and "all nn.Parameters or all nn.Modules" in errors[1], errors
+    assert "got a single parameter. Fix: ignored_states=[parameter]" in errors[2], errors  # was "got ['Tensor']"
+    assert "got a single module. Fix: ignored_states=[module]" in errors[3], errors  # a TypeError: not iterable
+    assert "should not include FSDP modules" in errors[4], errors
 
 
 class _Inner(nn.Module):

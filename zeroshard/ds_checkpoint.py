@@ -340,12 +340,17 @@ def _read(engine, path: str, folder: str, load_optimizer_states: bool, load_modu
 
 def _check_scheduler(scheduler, saved: dict, folder: str) -> None:
     """Another scheduler's state (WarmupLR's into a LambdaLR) raised from its load_state_dict after
-    the weights had loaded: tried first on a shallow copy (its load only sets attributes; LambdaLR's
-    pops from the dict it is given)."""
+    the weights had loaded: tried first on a copy, all but its optimizer (a shallow one shares
+    SequentialLR's child schedulers and LambdaLR's callable objects, which the trial would load)."""
     if scheduler is None or not hasattr(scheduler, "load_state_dict"):
         return
+    optimizer = getattr(scheduler, "optimizer", None)
     try:
-        copy.copy(scheduler).load_state_dict(dict(saved))
+        trial = copy.deepcopy(scheduler, {id(optimizer): optimizer})
+    except Exception:  # noqa: BLE001 - a scheduler that cannot be copied: its own load decides
+        return
+    try:
+        trial.load_state_dict(copy.deepcopy(saved))  # LambdaLR's load pops from the dict it is given
     except Exception as e:  # noqa: BLE001 - named below, and told to the other ranks
         raise ValueError(f"zeroshard load_checkpoint: the LR scheduler state in {folder} does not load into this engine's "
                          f"{type(scheduler).__name__} ({type(e).__name__}: {e}): saved by another scheduler? Fix: "

@@ -149,16 +149,18 @@ def _check_same_states(root: nn.Module, tensors: list, groups) -> None:
     names = {id(t): n for named in (root.named_parameters(remove_duplicate=False), root.named_buffers(remove_duplicate=False))
              for n, t in named}
     mine = [(names.get(id(t), "?"), tuple(t.shape), str(t.dtype)) for t in tensors]
-    live = [g for g in groups if g is not None and g.size() > 1]
     found = None
-    for group in live:
+    for group in groups:
+        if group is None or group.size() == 1:
+            continue
         differs = comm.first_difference(mine, group, "sync_module_states (comparing the states across ranks)")
         if differs is not None and found is None:
             r, first, theirs = differs
             i, a, b = agreement.first_mismatch(first, theirs)
             found = f"#{i} is {a} on rank {dist.get_global_rank(group, 0)} but {b} on rank {r}"
-    if len(live) > 1:
-        shared = comm.first_problem(found, live[0], "sync_module_states (sharing what the comparisons found)")
+    if len(groups) > 1 and groups[1] is not None:  # hybrid (shard, replicate): on every rank of the shard group,
+        # whatever its replicate group's size (groups of another size, refused later, must not hang here)
+        shared = comm.first_problem(found, groups[0], "sync_module_states (sharing what the comparisons found)")
         found = shared[1] if shared is not None else None
     if found is not None:
         raise ValueError(f"zeroshard: sync_module_states in FullyShardedDataParallel({type(root).__name__}): "

@@ -205,9 +205,11 @@ def _split_ignored(ignored_modules, ignored_states, module):
     if ignored_modules is not None:
         raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): pass ignored_modules or "
                          "ignored_states, not both. Fix: put the modules in ignored_states (or use ignored_modules alone).")
-    if isinstance(ignored_states, torch.Tensor):  # list() would give its rows: "got ['Tensor']"
+    one = "parameter" if isinstance(ignored_states, torch.Tensor) else "module" if (  # list() would give a tensor's rows
+        isinstance(ignored_states, nn.Module) and not hasattr(type(ignored_states), "__iter__")) else None
+    if one is not None:
         raise ValueError(f"zeroshard: FullyShardedDataParallel({type(module).__name__}): ignored_states takes a list of "
-                         "parameters or modules, got a single parameter. Fix: ignored_states=[param].")
+                         f"parameters or modules, got a single {one}. Fix: ignored_states=[{one}].")
     states = list(ignored_states)
     if all(isinstance(s, nn.Module) for s in states):
         return states, frozenset()
