@@ -31,12 +31,8 @@ def check_same_layout(layout: FlatLayout, dtype, group, unit_name: str, settings
     still learns of a difference elsewhere in the grid, so every rank raises."""
     mine = (str(dtype), [(p.fqn, tuple(p.shape), p.stride) for p in layout.params],  # stride: the memory order flattened
             sorted((k, str(v)) for k, v in (settings or {}).items()))
-    what = f"construction (comparing unit '{unit_name}' across ranks)"
-    diff = _layout_difference(mine, group, what)
-    if replicate_group is not None:  # (on every rank of the shard group: a replicate group of 1 too, see check_grid)
-        across = _layout_difference(mine, replicate_group, what)  # every rank runs both comparisons
-        found = comm.first_problem(diff or across, group, f"construction (sharing what the comparisons of unit '{unit_name}' found)")
-        diff = found[1] if found is not None else None
+    diff = difference_in_grid(mine, group, replicate_group, f"construction (comparing unit '{unit_name}' across ranks)",
+                              f"construction (sharing what the comparisons of unit '{unit_name}' found)", _layout_words)
     if diff is not None:
         raise ValueError(
             f"zeroshard: unit '{unit_name}' has a different layout on different ranks ({diff}). "
@@ -51,11 +47,26 @@ def first_mismatch(ours: list, theirs: list) -> tuple[int, object, object]:
     return i, *(v[i] if i < len(v) else "nothing" for v in (ours, theirs))
 
 
-def _layout_difference(mine, group, what: str) -> str | None:
-    """The first rank of ``group`` whose layout differs from the group's first rank's, in words."""
-    differs = comm.first_difference(mine, group, what)
-    if differs is None:
-        return None
+def difference_in_grid(value, group, replicate_group, what: str, sharing: str, words) -> str | None:
+    """The first difference in ``value`` across ranks, in ``words(first_difference's result, the
+    group)``, or None. Compared over ``group`` (None: not compared) and, under hybrid sharding,
+    ``replicate_group``: every rank runs both comparisons, then the shard group shares what they
+    found (``sharing`` names that exchange), on every rank of it (a replicate group of 1 too, see
+    groups.check_grid), so a rank that agrees with its whole row and column still learns of a
+    difference elsewhere in the grid."""
+    found = None
+    for g in (group, replicate_group):
+        differs = comm.first_difference(value, g, what) if g is not None else None
+        if differs is not None and found is None:
+            found = words(differs, g)
+    if replicate_group is not None:
+        shared = comm.first_problem(found, group, sharing)
+        found = shared[1] if shared is not None else None
+    return found
+
+
+def _layout_words(differs, group) -> str:
+    """A layout difference (``first_difference``'s result over ``group``), in words."""
     r, first, theirs = differs
     r0 = dist.get_global_rank(group, 0)
     if theirs[0] != first[0]:

@@ -142,28 +142,22 @@ def sync_module_states(root: nn.Module, skip, groups, ignored_params=frozenset()
 def _check_same_states(root: nn.Module, tensors: list, groups) -> None:
     """Every rank must broadcast the same list of tensors: one buffer more or less on a rank
     (gloo does not compare sizes) shifts every later buffer's values into its neighbours'.
-    Every rank runs each group's comparison (hybrid: shard, then replicate), then the first
-    group shares what they found, as check_same_layout does: a rank whose row and column agree
-    still learns of a difference elsewhere in the grid (it waited in the next comparison while
-    the ranks that found one raised)."""
+    Under hybrid sharding (``groups``: shard, replicate) every rank of the grid learns of a
+    difference anywhere in it (agreement.difference_in_grid): one whose row and column agree
+    waited in the next comparison while the ranks that found one raised."""
     names = {id(t): n for named in (root.named_parameters(remove_duplicate=False), root.named_buffers(remove_duplicate=False))
              for n, t in named}
     mine = [(names.get(id(t), "?"), tuple(t.shape), str(t.dtype)) for t in tensors]
-    found = None
-    for group in groups:
-        if group is None or group.size() == 1:
-            continue
-        differs = comm.first_difference(mine, group, "sync_module_states (comparing the states across ranks)")
-        if differs is not None and found is None:
-            r, first, theirs = differs
-            i, a, b = agreement.first_mismatch(first, theirs)
-            found = f"#{i} is {a} on rank {dist.get_global_rank(group, 0)} but {b} on rank {r}"
-    if len(groups) > 1 and groups[1] is not None:  # hybrid (shard, replicate): on every rank of the shard group,
-        # whatever its replicate group's size (groups of another size, refused later, must not hang here)
-        shared = comm.first_problem(found, groups[0], "sync_module_states (sharing what the comparisons found)")
-        found = shared[1] if shared is not None else None
+
+    def words(differs, group) -> str:
+        r, first, theirs = differs
+        i, a, b = agreement.first_mismatch(first, theirs)
+        return f"#{i} is {a} on rank {dist.get_global_rank(group, 0)} but {b} on rank {r}"
+
+    found = agreement.difference_in_grid(mine, groups[0], groups[1] if len(groups) > 1 else None,
+                                         "sync_module_states (comparing the states across ranks)",
+                                         "sync_module_states (sharing what the comparisons found)", words)
     if found is not None:
         raise ValueError(f"zeroshard: sync_module_states in FullyShardedDataParallel({type(root).__name__}): "
                          f"the states to broadcast differ across ranks: {found}. Fix: build the same model "
                          "(parameters and buffers) on every rank.")
-
