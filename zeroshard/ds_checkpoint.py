@@ -310,7 +310,7 @@ def load(engine, load_dir, tag=None, load_module_strict: bool = True, load_optim
 
 
 def _read(engine, path: str, folder: str, load_optimizer_states: bool, load_module_only: bool,
-          load_lr_scheduler_states: bool = False):
+          load_lr_scheduler_states: bool):
     """This rank's model file, client_state, optimizer state and loss-scaler state to load."""
     ckpt = checkpoint.load(path, weights_only=False)
     need = ("module",) if load_module_only else ("module", "global_steps", "skipped_steps")
