@@ -178,24 +178,18 @@ def bench_case(n, nbytes, device, reps, builds=None, floor=None):
             times[name].append(time_it(fn))
     gbps = {name: nbytes / statistics.median(t) / 1e9 for name, t in times.items()}
     # Every variant must produce the same bytes (guards against benchmarking a no-op).
-    for name in builds or {}:
-        for op in ("fl", "plan fl"):
-            flat.zero_()
-            ops[f"{name} {op}"]()
-            assert torch.equal(flat, src), f"{name} {op}"
-        for op in ("unfl", "plan unfl"):
+    variants = [f"{name} {op}" for name in builds or {} for op in ("fl", "plan fl", "unfl", "plan unfl")]
+    variants += [f"{op} {way}" for op in ("runs", "unpack") for way in ("fl", "unfl")] if floor is not None else []
+    for key in variants:
+        if key.endswith("unfl"):
             for o in outs:
                 o.zero_()
-            ops[f"{name} {op}"]()
-            assert all(torch.equal(o, t) for o, t in zip(outs, tensors)), f"{name} {op}"
-    for op in ("runs", "unpack") if floor is not None else ():
-        flat.zero_()
-        ops[f"{op} fl"]()
-        assert torch.equal(flat, src), f"{op} fl"
-        for o in outs:
-            o.zero_()
-        ops[f"{op} unfl"]()
-        assert all(torch.equal(o, t) for o, t in zip(outs, tensors)), f"{op} unfl"
+            ops[key]()
+            assert all(torch.equal(o, t) for o, t in zip(outs, tensors)), key
+        else:
+            flat.zero_()
+            ops[key]()
+            assert torch.equal(flat, src), key
     ext.flatten_into(tensors, offsets, flat)
     assert torch.equal(flat, src)
     ext.unflatten_into(flat, offsets, outs)
